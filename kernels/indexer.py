@@ -1,0 +1,124 @@
+"""DSA lightning indexer: which keys each query attends to.
+
+    I(t, s) = sum_j w(t, j) * ReLU(q(t, j) . k(s))          accumulated in float32
+
+with one indexer key per token shared by all indexer heads j, and I(t, s) = -inf where
+s > t + causal_offset (query t sits at absolute position t + causal_offset, so decode and
+chunked prefill can start their queries after key 0). `indexer_topk` selects the top-k keys per
+query chunk by chunk, so memory is O(chunk * S) rather than O(T * S).
+
+Shapes: B batch, T queries, S keys, H indexer heads (H_I), D indexer head dim (d_I).
+    q (B, T, H, D)   k (B, S, D)   w (B, T, H)   scores (B, T, S) float32
+"""
+
+import torch
+
+from kernels.topk import deterministic_topk
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only install: the torch path is used
+    triton = None
+
+
+def _check_args(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, causal_offset: int) -> None:
+    if q.dim() != 4:
+        raise ValueError(f"q must be (B, T, H, D), got shape {tuple(q.shape)}")
+    B, T, H, D = q.shape
+    if k.dim() != 3 or k.shape[0] != B or k.shape[2] != D:
+        raise ValueError(f"k must be (B={B}, S, D={D}), got shape {tuple(k.shape)}")
+    if tuple(w.shape) != (B, T, H):
+        raise ValueError(f"w must be (B={B}, T={T}, H={H}), got shape {tuple(w.shape)}")
+    if not isinstance(causal_offset, int) or causal_offset < 0:
+        raise ValueError(f"causal_offset must be an int >= 0, got {causal_offset!r}")
+
+
+def indexer_scores_reference(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
+                             causal_offset: int = 0) -> torch.Tensor:
+    """Plain torch, one head at a time so the largest temporary is (B, T, S)."""
+    _check_args(q, k, w, causal_offset)
+    B, T, H, D = q.shape
+    S = k.shape[1]
+    qf, kf, wf = q.float(), k.float(), w.float()
+    scores = torch.zeros(B, T, S, dtype=torch.float32, device=q.device)
+    for j in range(H):
+        logits = torch.bmm(qf[:, :, j], kf.transpose(1, 2))    # (B, T, S)
+        scores += wf[:, :, j, None] * logits.relu()
+    t = torch.arange(T, device=q.device)[:, None] + causal_offset
+    s = torch.arange(S, device=q.device)[None, :]
+    return scores.masked_fill(s > t, float("-inf"))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _indexer_kernel(q_ptr, k_ptr, w_ptr, out_ptr, T, S, H, D, causal_offset,
+                        sqb, sqt, sqh, sqd, skb, sks, skd, swb, swt, swh, sob, sot, sos,
+                        BT: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr):
+        b = tl.program_id(0)
+        t = tl.program_id(1) * BT + tl.arange(0, BT)            # (BT,)
+        s = tl.program_id(2) * BS + tl.arange(0, BS)            # (BS,)
+        d = tl.arange(0, BD)
+        future = s[None, :] > t[:, None] + causal_offset       # (BT, BS)
+        acc = tl.zeros((BT, BS), dtype=tl.float32)
+        if tl.program_id(2) * BS <= (tl.program_id(1) * BT + BT - 1) + causal_offset:
+            kb = tl.load(k_ptr + b * skb + s[:, None] * sks + d[None, :] * skd,
+                         mask=(s[:, None] < S) & (d[None, :] < D), other=0.0)  # (BS, BD)
+            for j in range(H):
+                qb = tl.load(q_ptr + b * sqb + t[:, None] * sqt + j * sqh + d[None, :] * sqd,
+                             mask=(t[:, None] < T) & (d[None, :] < D), other=0.0)  # (BT, BD)
+                wj = tl.load(w_ptr + b * swb + t * swt + j * swh, mask=t < T, other=0.0)
+                logits = tl.dot(qb, tl.trans(kb), input_precision="ieee")  # (BT, BS) fp32
+                acc += wj.to(tl.float32)[:, None] * tl.maximum(logits, 0.0)
+        acc = tl.where(future, float("-inf"), acc)
+        tl.store(out_ptr + b * sob + t[:, None] * sot + s[None, :] * sos, acc,
+                 mask=(t[:, None] < T) & (s[None, :] < S))
+
+
+def indexer_scores_triton(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
+                          causal_offset: int = 0, block_t: int = 32,
+                          block_s: int = 64) -> torch.Tensor:
+    """Triton path (CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
+    _check_args(q, k, w, causal_offset)
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    B, T, H, D = q.shape
+    S = k.shape[1]
+    if q.dtype != k.dtype:
+        raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
+    out = torch.empty(B, T, S, dtype=torch.float32, device=q.device)
+    BD = max(16, triton.next_power_of_2(D))
+    grid = (B, triton.cdiv(T, block_t), triton.cdiv(S, block_s))
+    _indexer_kernel[grid](q, k, w, out, T, S, H, D, causal_offset,
+                          *q.stride(), *k.stride(), *w.stride(), *out.stride(),
+                          BT=block_t, BS=block_s, BD=BD)
+    return out
+
+
+def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
+                   causal_offset: int = 0) -> torch.Tensor:
+    """q (B,T,H,D), k (B,S,D), w (B,T,H) -> float32 (B,T,S), -inf where s > t + causal_offset."""
+    if q.is_cuda and triton is not None:
+        return indexer_scores_triton(q, k, w, causal_offset)
+    return indexer_scores_reference(q, k, w, causal_offset)
+
+
+def indexer_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int,
+                 causal_offset: int = 0, chunk: int = 1024) -> torch.Tensor:
+    """Top-k key positions per query, (B, T, topk) long, -1 for empty slots.
+
+    Scores are computed `chunk` queries at a time and reduced to indices immediately.
+    """
+    _check_args(q, k, w, causal_offset)
+    if not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    T = q.shape[1]
+    out = []
+    for t0 in range(0, T, chunk):
+        t1 = min(t0 + chunk, T)
+        scores = indexer_scores(q[:, t0:t1], k, w[:, t0:t1], causal_offset + t0)  # (B, C, S)
+        out.append(deterministic_topk(scores, topk))
+    if not out:
+        return torch.empty(q.shape[0], 0, topk, dtype=torch.long, device=q.device)
+    return torch.cat(out, dim=1)

@@ -1,0 +1,315 @@
+"""Sparse attention over selected key positions (the attention half of DSA).
+
+Each query t attends only to the keys listed in indices[b, t, :] (shared by all heads; -1 marks
+an empty slot and is ignored):
+
+    out[b,t,h] = sum_i softmax_i(scale * q[b,t,h] . k[b, idx_i, h]) * v[b, idx_i, h]
+
+A row whose slots are all empty outputs zeros (and passes back zero gradients). Indices must be
+unique within a row (deterministic_topk guarantees it); a repeated index is counted twice.
+
+Memory: the torch reference walks the queries in chunks, gathering (chunk, K) keys at a time,
+and the backward pass recomputes the probabilities from the saved log-sum-exp, so nothing of
+size (T, S) is ever built; memory is O(T * K) for the indices plus O(chunk * K * H * D) of
+scratch. The Triton kernels run one program per (query, head) with an online softmax; the
+backward kernel scatters dK and dV with float32 atomics (summation order on GPU is therefore not
+fixed run to run; dQ is deterministic).
+
+`dense_reference_attention` builds the full masked (T, S) logits and is only for tests.
+
+Shapes: B batch, T queries, S keys, H heads, K selected keys per query, D = Dqk, Dv.
+    q (B, T, H, D)   k (B, S, H, D)   v (B, S, H, Dv)   indices (B, T, K) long   out (B, T, H, Dv)
+MQA / absorbed form: kv (B, S, D) is one key per token shared by all heads, and the values are
+its first Dv dims (FlashMLA's sparse prefill layout, d_qk = 576, d_v = 512 at full size).
+"""
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only install: the torch path is used
+    triton = None
+
+
+def _check_args(q, k, v, indices, scale) -> None:
+    if q.dim() != 4:
+        raise ValueError(f"q must be (B, T, H, D), got shape {tuple(q.shape)}")
+    B, T, H, D = q.shape
+    if k.dim() != 4 or k.shape[0] != B or k.shape[2] != H or k.shape[3] != D:
+        raise ValueError(f"k must be (B={B}, S, H={H}, D={D}), got shape {tuple(k.shape)}")
+    if v.dim() != 4 or tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        raise ValueError(f"v must be (B, S, H) = {tuple(k.shape[:3])} + (Dv,), got {tuple(v.shape)}")
+    if indices.dim() != 3 or tuple(indices.shape[:2]) != (B, T):
+        raise ValueError(f"indices must be (B={B}, T={T}, K), got shape {tuple(indices.shape)}")
+    if indices.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"indices must be an integer tensor, got {indices.dtype}")
+    if not isinstance(scale, (int, float)) or scale <= 0:
+        raise ValueError(f"scale must be a positive float, got {scale!r}")
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)        # bf16/fp16 -> fp32, fp64 stays
+
+
+# ------------------------------------------------------------------------------------------
+# torch reference: chunked forward, recomputing backward
+
+def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x (B, S, H, D), idx (B, C, K) with -1 allowed -> (B, C, K, H, D) (empty slots read key 0)."""
+    b = torch.arange(x.shape[0], device=x.device)[:, None, None]
+    return x[b, idx.clamp(min=0)]
+
+
+def _probs(q_c, kg, valid, scale, lse=None):
+    """Softmax over the K selected keys; returns (p (B,C,H,K), lse (B,C,H))."""
+    logits = torch.einsum("bchd,bckhd->bchk", q_c, kg) * scale
+    logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(logits, dim=-1)                   # -inf for an empty row
+    p = torch.where(valid[:, :, None, :], torch.exp(logits - lse[..., None]), 0.0)
+    return p, lse
+
+
+def sparse_attention_forward_reference(q, k, v, indices, scale, chunk=128):
+    """-> out (B,T,H,Dv) in q's dtype, lse (B,T,H) in the compute dtype."""
+    B, T, H, _ = q.shape
+    cdt = _compute_dtype(q)
+    out = torch.empty(B, T, H, v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, T, H, dtype=cdt, device=q.device)
+    for t0 in range(0, T, chunk):
+        t1 = min(t0 + chunk, T)
+        idx = indices[:, t0:t1]                                 # (B, C, K)
+        kg, vg = _gather(k, idx).to(cdt), _gather(v, idx).to(cdt)  # (B, C, K, H, D|Dv)
+        p, lse_c = _probs(q[:, t0:t1].to(cdt), kg, idx >= 0, scale)
+        out[:, t0:t1] = torch.einsum("bchk,bckhd->bchd", p, vg).to(q.dtype)
+        lse[:, t0:t1] = lse_c
+    return out, lse
+
+
+def sparse_attention_backward_reference(q, k, v, indices, scale, out, lse, dout, chunk=128):
+    """-> dq, dk, dv in the compute dtype, recomputing the probabilities chunk by chunk."""
+    B, T, H, D = q.shape
+    S = k.shape[1]
+    cdt = _compute_dtype(q)
+    dq = torch.zeros(B, T, H, D, dtype=cdt, device=q.device)
+    dk = torch.zeros(B * S, H, D, dtype=cdt, device=q.device)
+    dv = torch.zeros(B * S, H, v.shape[-1], dtype=cdt, device=q.device)
+    delta = (dout.to(cdt) * out.to(cdt)).sum(-1)               # (B, T, H)
+    for t0 in range(0, T, chunk):
+        t1 = min(t0 + chunk, T)
+        idx = indices[:, t0:t1]                                 # (B, C, K)
+        q_c, do_c = q[:, t0:t1].to(cdt), dout[:, t0:t1].to(cdt)
+        kg, vg = _gather(k, idx).to(cdt), _gather(v, idx).to(cdt)
+        p, _ = _probs(q_c, kg, idx >= 0, scale, lse[:, t0:t1])  # (B, C, H, K)
+        dp = torch.einsum("bchd,bckhd->bchk", do_c, vg)
+        ds = p * (dp - delta[:, t0:t1, :, None])               # softmax backward
+        dq[:, t0:t1] = torch.einsum("bchk,bckhd->bchd", ds, kg) * scale
+        # scatter the per-slot key/value gradients back to their positions (empty slots add 0)
+        rows = (torch.arange(B, device=q.device)[:, None, None] * S + idx.clamp(min=0)).flatten()
+        dk.index_add_(0, rows, torch.einsum("bchk,bchd->bckhd", ds, q_c).flatten(0, 2) * scale)
+        dv.index_add_(0, rows, torch.einsum("bchk,bchd->bckhd", p, do_c).flatten(0, 2))
+    return dq, dk.view(B, S, H, D), dv.view(B, S, H, -1)
+
+
+# ------------------------------------------------------------------------------------------
+# Triton: one program per (query, batch*head), online softmax over blocks of selected keys
+
+if triton is not None:
+
+    @triton.jit
+    def _sparse_fwd_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, out_ptr, lse_ptr, scale, H, K, D, DV,
+                           sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sib, sit,
+                           sob, sot, soh, slb, slt,
+                           BK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
+        t = tl.program_id(0)
+        b = tl.program_id(1) // H
+        h = tl.program_id(1) % H
+        d = tl.arange(0, BD)
+        dv = tl.arange(0, BDV)
+        q = tl.load(q_ptr + b * sqb + t * sqt + h * sqh + d, mask=d < D, other=0.0).to(tl.float32)
+        m = tl.full((), float("-inf"), tl.float32)
+        l = tl.zeros((), tl.float32)
+        acc = tl.zeros((BDV,), tl.float32)
+        for k0 in range(0, K, BK):
+            slot = k0 + tl.arange(0, BK)
+            idx = tl.load(idx_ptr + b * sib + t * sit + slot, mask=slot < K, other=-1)
+            valid = idx >= 0
+            idx = tl.where(valid, idx, 0)
+            kb = tl.load(k_ptr + b * skb + idx[:, None] * sks + h * skh + d[None, :],
+                         mask=valid[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+            logits = tl.sum(kb * q[None, :], axis=1) * scale    # (BK,)
+            logits = tl.where(valid, logits, float("-inf"))
+            m_new = tl.maximum(m, tl.max(logits, axis=0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_safe)
+            p = tl.exp(logits - m_safe)                          # 0 for empty slots
+            vb = tl.load(v_ptr + b * svb + idx[:, None] * svs + h * svh + dv[None, :],
+                         mask=valid[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
+            acc = acc * alpha + tl.sum(p[:, None] * vb, axis=0)
+            l = l * alpha + tl.sum(p, axis=0)
+            m = m_new
+        has_any = l > 0
+        out = tl.where(has_any, acc / tl.where(has_any, l, 1.0), 0.0)
+        lse = tl.where(has_any, m + tl.log(tl.where(has_any, l, 1.0)), float("-inf"))
+        tl.store(out_ptr + b * sob + t * sot + h * soh + dv, out, mask=dv < DV)
+        tl.store(lse_ptr + b * slb + t * slt + h, lse)
+
+    @triton.jit
+    def _sparse_bwd_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, lse_ptr, delta_ptr, do_ptr,
+                           dq_ptr, dk_ptr, dv_ptr, scale, H, K, D, DV,
+                           sqb, sqt, sqh, skb, sks, skh, svb, svs, svh, sib, sit,
+                           slb, slt, sdb, sdt, sdh, sgqb, sgqt, sgqh, sgkb, sgks, sgkh,
+                           sgvb, sgvs, sgvh,
+                           BK: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
+        t = tl.program_id(0)
+        b = tl.program_id(1) // H
+        h = tl.program_id(1) % H
+        d = tl.arange(0, BD)
+        dv = tl.arange(0, BDV)
+        q = tl.load(q_ptr + b * sqb + t * sqt + h * sqh + d, mask=d < D, other=0.0).to(tl.float32)
+        do = tl.load(do_ptr + b * sdb + t * sdt + h * sdh + dv, mask=dv < DV,
+                     other=0.0).to(tl.float32)
+        lse = tl.load(lse_ptr + b * slb + t * slt + h)
+        delta = tl.load(delta_ptr + b * slb + t * slt + h)
+        dq = tl.zeros((BD,), tl.float32)
+        for k0 in range(0, K, BK):
+            slot = k0 + tl.arange(0, BK)
+            idx = tl.load(idx_ptr + b * sib + t * sit + slot, mask=slot < K, other=-1)
+            valid = idx >= 0
+            idx = tl.where(valid, idx, 0)
+            kmask = valid[:, None] & (d[None, :] < D)
+            vmask = valid[:, None] & (dv[None, :] < DV)
+            kb = tl.load(k_ptr + b * skb + idx[:, None] * sks + h * skh + d[None, :],
+                         mask=kmask, other=0.0).to(tl.float32)
+            vb = tl.load(v_ptr + b * svb + idx[:, None] * svs + h * svh + dv[None, :],
+                         mask=vmask, other=0.0).to(tl.float32)
+            logits = tl.sum(kb * q[None, :], axis=1) * scale
+            p = tl.where(valid, tl.exp(logits - lse), 0.0)       # (BK,)
+            dp = tl.sum(vb * do[None, :], axis=1)
+            ds = p * (dp - delta)
+            dq += tl.sum(ds[:, None] * kb, axis=0) * scale
+            tl.atomic_add(dk_ptr + b * sgkb + idx[:, None] * sgks + h * sgkh + d[None, :],
+                          ds[:, None] * q[None, :] * scale, mask=kmask)
+            tl.atomic_add(dv_ptr + b * sgvb + idx[:, None] * sgvs + h * sgvh + dv[None, :],
+                          p[:, None] * do[None, :], mask=vmask)
+        tl.store(dq_ptr + b * sgqb + t * sgqt + h * sgqh + d, dq, mask=d < D)
+
+
+def _blocks(q, v, K):
+    return (min(64, max(16, triton.next_power_of_2(K))), max(16, triton.next_power_of_2(q.shape[-1])),
+            max(16, triton.next_power_of_2(v.shape[-1])))
+
+
+def sparse_attention_forward_triton(q, k, v, indices, scale):
+    B, T, H, D = q.shape
+    K, DV = indices.shape[-1], v.shape[-1]
+    out = torch.empty(B, T, H, DV, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
+    if B * T * H == 0:
+        return out, lse
+    BK, BD, BDV = _blocks(q, v, K)
+    _sparse_fwd_kernel[(T, B * H)](
+        q, k, v, indices, out, lse, float(scale), H, K, D, DV,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), indices.stride(0), indices.stride(1),
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        BK=BK, BD=BD, BDV=BDV)
+    return out, lse
+
+
+def sparse_attention_backward_triton(q, k, v, indices, scale, out, lse, dout):
+    B, T, H, D = q.shape
+    S, K, DV = k.shape[1], indices.shape[-1], v.shape[-1]
+    dout = dout.contiguous()
+    delta = (dout.float() * out.float()).sum(-1).contiguous()   # (B, T, H), same layout as lse
+    dq = torch.zeros(B, T, H, D, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(B, S, H, D, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(B, S, H, DV, dtype=torch.float32, device=q.device)
+    if B * T * H == 0:
+        return dq, dk, dv
+    BK, BD, BDV = _blocks(q, v, K)
+    _sparse_bwd_kernel[(T, B * H)](
+        q, k, v, indices, lse, delta, dout, dq, dk, dv, float(scale), H, K, D, DV,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), indices.stride(0), indices.stride(1),
+        lse.stride(0), lse.stride(1), dout.stride(0), dout.stride(1), dout.stride(2),
+        dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2),
+        BK=BK, BD=BD, BDV=BDV)
+    return dq, dk, dv
+
+
+# ------------------------------------------------------------------------------------------
+# autograd + public API
+
+class SparseAttention(torch.autograd.Function):
+    """Saves only q, k, v, indices, out and lse; the backward pass recomputes the probabilities."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, indices, scale, chunk, use_triton):
+        if use_triton:
+            out, lse = sparse_attention_forward_triton(q, k, v, indices, scale)
+        else:
+            out, lse = sparse_attention_forward_reference(q, k, v, indices, scale, chunk)
+        ctx.save_for_backward(q, k, v, indices, out, lse)
+        ctx.scale, ctx.chunk, ctx.use_triton = scale, chunk, use_triton
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, indices, out, lse = ctx.saved_tensors
+        if ctx.use_triton:
+            dq, dk, dv = sparse_attention_backward_triton(q, k, v, indices, ctx.scale, out, lse, dout)
+        else:
+            dq, dk, dv = sparse_attention_backward_reference(
+                q, k, v, indices, ctx.scale, out, lse, dout, ctx.chunk)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
+                     scale: float, chunk: int = 128) -> torch.Tensor:
+    """q (B,T,H,D), k (B,S,H,D), v (B,S,H,Dv), indices (B,T,K) -> out (B,T,H,Dv).
+
+    Differentiable in q, k, v. `chunk` (queries per step) only affects the torch path.
+    """
+    _check_args(q, k, v, indices, scale)
+    if not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    use_triton = q.is_cuda and triton is not None
+    return SparseAttention.apply(q, k, v, indices, float(scale), chunk, use_triton)
+
+
+def sparse_attention_mqa(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float,
+                         dv: int, chunk: int = 128) -> torch.Tensor:
+    """Absorbed / MQA form: q (B,T,H,D), kv (B,S,D) shared by all heads, values = kv[..., :dv].
+
+    -> out (B,T,H,dv). Implemented on top of the MHA kernels with a broadcast (stride-0) head
+    dim, so it reads kv once per head; gradients from every head sum into kv.
+    """
+    if kv.dim() != 3 or q.dim() != 4 or kv.shape[-1] != q.shape[-1]:
+        raise ValueError(f"kv must be (B, S, D={q.shape[-1] if q.dim() == 4 else '?'}), "
+                         f"got shape {tuple(kv.shape)}")
+    if not isinstance(dv, int) or not 0 < dv <= kv.shape[-1]:
+        raise ValueError(f"dv must be an int in [1, {kv.shape[-1]}], got {dv!r}")
+    B, S, D = kv.shape
+    H = q.shape[2]
+    k = kv[:, :, None, :].expand(B, S, H, D)                    # (B, S, H, D), stride 0 on H
+    v = kv[:, :, None, :dv].expand(B, S, H, dv)                 # (B, S, H, dv)
+    return sparse_attention(q, k, v, indices, scale, chunk)
+
+
+def dense_reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              indices: torch.Tensor, scale: float) -> torch.Tensor:
+    """Tests only: full (B, H, T, S) logits masked to the selected positions, plain autograd."""
+    _check_args(q, k, v, indices, scale)
+    B, T, H, _ = q.shape
+    S = k.shape[1]
+    sel = torch.zeros(B, T, S + 1, dtype=torch.bool, device=q.device)
+    sel.scatter_(2, torch.where(indices < 0, S, indices), True)
+    sel = sel[..., :S][:, None]                                 # (B, 1, T, S)
+    has_any = sel.any(-1, keepdim=True)
+    logits = torch.einsum("bthd,bshd->bhts", q, k) * scale      # (B, H, T, S)
+    logits = logits.masked_fill(~sel, float("-inf")).masked_fill(~has_any, 0.0)
+    p = torch.softmax(logits, dim=-1).masked_fill(~sel, 0.0)
+    return torch.einsum("bhts,bshd->bthd", p, v)
