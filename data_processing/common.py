@@ -1,0 +1,292 @@
+"""Pieces every curation step shares: the config base class, text normalisation, the
+keep-or-drop filter base, the removed/ writer, and readers for labelled text sources.
+
+A filter step only answers `keep(doc) -> True | (False, reason)` (datatrove's shape); the
+`apply_filter` loop counts reasons and writes dropped documents, with the reason in their
+metadata, to `removed/` shards so nothing is lost silently.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import random
+import re
+import sysconfig
+import unicodedata
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from data_processing.document import Document, ShardWriter, read_documents, shard_paths
+
+# The repo's real sample data (see samples/SOURCES.md); config paths may say {samples}.
+SAMPLES_DIR = Path(__file__).resolve().parents[1] / "samples"
+REMOVED_DIR = "removed"
+
+
+class StepConfig(BaseModel):
+    """Base of every stage config: frozen, unknown keys rejected (a typo is an error)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def expand_path(p: str | Path) -> Path:
+    """Resolve the placeholders configs may use: {stdlib} (this Python's standard library)
+    and {samples} (the repo's samples/), so presets stay portable across machines."""
+    s = str(p).replace("{stdlib}", sysconfig.get_paths()["stdlib"]).replace("{samples}", str(SAMPLES_DIR))
+    return Path(s).expanduser()
+
+
+# ---------------------------------------------------------------------------------------------
+# Normalisation shared by exact dedup and decontamination.
+_WS = re.compile(r"\s+")
+_WORD = re.compile(r"\w+")
+
+
+def normalize_text(text: str) -> str:
+    """NFKC, casefold, collapse every whitespace run to one space, strip the ends."""
+    return _WS.sub(" ", unicodedata.normalize("NFKC", text).casefold()).strip()
+
+
+def normalized_words(text: str) -> list[str]:
+    """Word tokens of normalize_text(text); punctuation is dropped (so `x=1` and `x = 1` agree)."""
+    return _WORD.findall(normalize_text(text))
+
+
+# ---------------------------------------------------------------------------------------------
+# Filtering with a record of what was dropped.
+def check_document(doc: Document, where: str) -> None:
+    """Raise a ValueError naming the shard and document when a record is not a usable Document."""
+    if not isinstance(doc.text, str):
+        raise ValueError(f"{where}: document {doc.id!r}: field 'text' must be a string, got {type(doc.text).__name__}")
+    if not isinstance(doc.id, str) or not doc.id:
+        raise ValueError(f"{where}: document with text {doc.text[:40]!r}: field 'id' is missing or empty")
+
+
+def iter_input_documents(directory: Path) -> Iterator[Document]:
+    """Documents of a parent's shard directory, each checked (text is a string, id present)."""
+    directory = Path(directory)
+    if not shard_paths(directory):
+        raise ValueError(f"{directory}: no part-*.parquet shards found (is this the parent's output?)")
+    for path in shard_paths(directory):
+        from data_processing.document import read_shard
+
+        for doc in read_shard(path):
+            check_document(doc, str(path))
+            yield doc
+
+
+def count_documents(directory: Path) -> int:
+    import pyarrow.parquet as pq
+
+    return sum(pq.ParquetFile(p).metadata.num_rows for p in shard_paths(directory))
+
+
+class RemovedWriter:
+    """Writes dropped documents to out/removed/ shards, the reason in metadata['removed_reason']."""
+
+    def __init__(self, out: Path, shard_size: int = 10_000, step: str = ""):
+        self.writer = ShardWriter(Path(out) / REMOVED_DIR, shard_size)
+        self.step = step
+        self.reasons: dict[str, int] = {}
+
+    def write(self, doc: Document, reason: str) -> None:
+        meta = dict(doc.metadata)
+        meta["removed_reason"] = reason
+        if self.step:
+            meta["removed_by"] = self.step
+        self.writer.write(Document(doc.id, doc.text, doc.source, meta))
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+
+    @property
+    def count(self) -> int:
+        return sum(self.reasons.values())
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def apply_filter(
+    docs: Iterable[Document],
+    keep: Callable[[Document], Any],
+    out_dir: Path,
+    removed: RemovedWriter,
+    shard_size: int,
+    progress: Callable[[int, int, str], None] | None = None,
+    total: int = 0,
+    desc: str = "",
+) -> dict[str, int]:
+    """Run a keep() function over documents: kept ones go to out_dir shards, dropped ones to
+    `removed` with their reason. Returns counts {documents_in, kept, removed}."""
+    writer = ShardWriter(out_dir, shard_size)
+    n = kept = 0
+    for doc in docs:
+        n += 1
+        verdict = keep(doc)
+        ok, reason = (verdict, "") if isinstance(verdict, bool) else verdict
+        if ok:
+            writer.write(doc)
+            kept += 1
+        else:
+            removed.write(doc, reason or "filtered")
+        if progress is not None and n % 1000 == 0:
+            progress(n, total, desc)
+    writer.close()
+    removed.close()
+    if progress is not None:
+        progress(n, total or n, desc)
+    return {"documents_in": n, "kept": kept, "removed": n - kept}
+
+
+# ---------------------------------------------------------------------------------------------
+# Labelled / raw text sources (quality classifier training, eval sets, tokenizer corpora).
+class TextSource(StepConfig):
+    """Where to read real text from.
+
+    path: a file or directory; {stdlib} and {samples} are expanded.
+    glob: files to take inside a directory (sorted, so the choice is reproducible).
+    fields: for .jsonl/.json, the keys whose string values are joined into one text
+        (dotted keys reach nested objects, e.g. "object.body"); ("*",) takes the raw JSON
+        record; ignored for other files.
+    unit: how a file becomes texts: the whole file, blank-line paragraphs, lines, or (for .py)
+        the module/class/function docstrings.
+    transform: "shuffle_words" shuffles each text's words (seeded) - a real-text negative
+        class for the quality classifier: same vocabulary, no syntax.
+    """
+
+    path: str
+    glob: str = "*"
+    fields: tuple[str, ...] = ("text",)
+    unit: Literal["file", "paragraph", "line", "docstring"] = "file"
+    transform: Literal["none", "shuffle_words"] = "none"
+    min_chars: int = Field(default=1, ge=0)
+    limit: int | None = Field(default=None, ge=1)
+
+    @field_validator("path")
+    @classmethod
+    def _path_not_empty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("path must not be empty")
+        return v
+
+
+def _get_field(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(part)
+    return obj
+
+
+def _docstrings(source: str) -> list[str]:
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            d = ast.get_docstring(node)
+            if d:
+                out.append(d)
+    return out
+
+
+def _split(text: str, unit: str) -> list[str]:
+    if unit == "file":
+        return [text]
+    if unit == "paragraph":
+        return [p for p in re.split(r"\n\s*\n", text)]
+    if unit == "line":
+        return text.splitlines()
+    return _docstrings(text)
+
+
+def _texts_of_file(path: Path, src: TextSource) -> Iterator[str]:
+    if path.suffix in (".jsonl", ".json"):
+        raw = path.read_text(encoding="utf-8", errors="replace")
+        if path.suffix == ".json":
+            try:
+                records = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: invalid JSON: {e}") from e
+            if not isinstance(records, list):
+                raise ValueError(f"{path}: expected a JSON array of objects")
+            numbered = list(enumerate(records, 1))
+        else:
+            numbered = []
+            for lineno, line in enumerate(raw.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    numbered.append((lineno, json.loads(line)))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: invalid JSON: {e.msg}") from e
+        for lineno, rec in numbered:
+            if src.fields == ("*",):  # the raw record itself (e.g. API responses as noise)
+                parts = [json.dumps(rec, ensure_ascii=False)]
+            else:
+                parts = [v for f in src.fields if isinstance(v := _get_field(rec, f), str)]
+            if parts:
+                yield from _split("\n\n".join(parts), "file" if src.unit == "docstring" else src.unit)
+    elif path.suffix == ".parquet":
+        from data_processing.document import read_shard
+
+        for doc in read_shard(path):
+            yield from _split(doc.text, src.unit)
+    else:
+        yield from _split(path.read_text(encoding="utf-8", errors="replace"), src.unit)
+
+
+def source_files(src: TextSource) -> list[Path]:
+    root = expand_path(src.path)
+    if root.is_file():
+        return [root]
+    if root.is_dir():
+        return sorted(p for p in root.glob(src.glob) if p.is_file())
+    raise ValueError(f"text source {src.path!r}: {root} does not exist")
+
+
+def read_text_source(src: TextSource, seed: int = 0) -> list[str]:
+    """The texts of one source (at most src.limit), stripped, shorter than min_chars dropped."""
+    rng = random.Random(seed)
+    out: list[str] = []
+    for path in source_files(src):
+        for t in _texts_of_file(path, src):
+            t = t.strip()
+            if len(t) < max(src.min_chars, 1):
+                continue
+            if src.transform == "shuffle_words":
+                words = t.split()
+                rng.shuffle(words)
+                t = " ".join(words)
+            out.append(t)
+            if src.limit is not None and len(out) >= src.limit:
+                return out
+    return out
+
+
+def write_removed_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> int:
+    n = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n")
+            n += 1
+    return n
+
+
+__all__ = [
+    "StepConfig",
+    "TextSource",
+    "RemovedWriter",
+    "apply_filter",
+    "normalize_text",
+    "normalized_words",
+    "expand_path",
+    "read_text_source",
+    "iter_input_documents",
+    "count_documents",
+    "read_documents",
+    "SAMPLES_DIR",
+]
