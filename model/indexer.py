@@ -1,0 +1,52 @@
+"""DSA lightning indexer: a cheap scorer that picks, per query, the index_topk keys the main
+attention will look at.
+
+Shape legend: B batch, T queries, S keys, Hi index heads, Di index head dim, R rope dims,
+Cq q_lora_rank, D hidden.
+
+    q_I = wq_b(c_Q)                  c_Q: the MLA query latent (after q_a_layernorm)
+    k_I = LayerNorm(wk(x))           one key per token, shared by all index heads
+    w   = weights_proj(x) * Hi^-0.5 * Di^-0.5
+    I[t, s] = sum_j w[t, j] * ReLU(q_I[t, j] . k_I[s])     (fp32; kernels.indexer)
+
+RoPE as transformers does for GLM-5: interleaved pairs on the FIRST R dims of each head
+([rope | pass]; the main MLA head is [nope | rope]).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.indexer import indexer_scores, indexer_scores_reference
+from model.config import ModelConfig
+from model.rope import apply_rope
+
+
+class Indexer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        r = self.rope_dim
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B,T,D] -> rotated index keys [B,T,Di] (what the cache stores)."""
+        return self._rope(self.k_norm(self.wk(x)), cos, sin)
+
+    def scores(self, x: torch.Tensor, q_lat: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, allowed: torch.Tensor, past: int) -> torch.Tensor:
+        """x [B,T,D], q_lat [B,T,Cq], keys [B,S,Di], allowed [B,T,S] -> I [B,T,S] fp32, -inf where not allowed."""
+        B, T, _ = x.shape
+        q = self._rope(self.wq_b(q_lat).view(B, T, self.n_heads, self.head_dim), cos, sin)
+        # Both scale factors are positive, so folding them into w equals scaling inside the ReLU.
+        w = self.weights_proj(x).float() * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
+        # The fused kernel has no backward; the torch reference does (indexer training needs it).
+        fn = indexer_scores_reference if torch.is_grad_enabled() and w.requires_grad else indexer_scores
+        return fn(q, keys, w, causal_offset=past).masked_fill(~allowed, float("-inf"))

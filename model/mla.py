@@ -1,0 +1,146 @@
+"""Multi-head Latent Attention (MLA) with decoupled RoPE, and DSA sparse selection.
+
+Shape legend: B batch, T new tokens, S keys (past + T), H heads, N qk_nope_head_dim,
+R qk_rope_head_dim, V v_head_dim, C kv_lora_rank, Cq q_lora_rank, K index_topk, D hidden.
+
+    c_Q  = RMSNorm(q_a_proj(x))                      [B,T,Cq]  (also feeds the indexer)
+    q    = q_b_proj(c_Q) -> [q_nope (N) | q_rope (R)] per head
+    c_KV, k_rope = kv_a_proj_with_mqa(x)             [B,T,C], [B,T,R] (one rope key for all heads)
+    c_KV = RMSNorm(c_KV)
+    k_nope, v = kv_b_proj(c_KV) per head             [B,S,H,N], [B,S,H,V]
+    logit = (q_nope.k_nope + q_rope.k_rope) / sqrt(N + R)
+
+Two numerically equivalent paths:
+- explicit (prefill / training): materialise per-head k and v;
+- absorbed (decode, cache non-empty): fold W_UK into the query and W_UV into the output, so
+  attention runs over the cached latents [c_KV | k_rope] (C + R values per token), one shared
+  "key head" for all H query heads (MQA).
+
+Layer kinds: "dsa" attends to the indexer's top-K keys (kernels.sparse_attention) unless dense
+mode is on; "full" is dense MLA; "swa" is dense MLA within a sliding window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels.sparse_attention import sparse_attention, sparse_attention_mqa
+from kernels.topk import deterministic_topk
+from model.attention import AttnContext, dense_attention, head_summed_probs
+from model.cache import KVCache
+from model.config import ModelConfig
+from model.indexer import Indexer
+from model.norms import RMSNorm
+from model.rope import apply_rope
+
+
+@dataclass
+class Want:
+    """What the caller asked a forward to expose (and run-time overrides)."""
+    indexer: bool = False       # per-layer indexer scores (with grad for the indexer) + indices
+    attn_probs: bool = False    # per-layer detached head-summed attention probabilities
+    dense: bool = False         # DSA layers attend densely (indexer off for selection)
+
+
+@dataclass
+class IndexerOut:
+    scores: torch.Tensor        # [B,T,S] fp32 indexer logits I, -inf where not allowed; grads
+                                # reach only the indexer's own parameters (inputs detached)
+    indices: torch.Tensor       # [B,T,K] long, ascending, -1 = empty slot (deterministic top-k)
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx, self.kind = layer_idx, cfg.kind(layer_idx)
+        self.H, self.N, self.R, self.V, self.C = (
+            cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank)
+        self.topk = cfg.index_topk
+        self.scale = cfg.qk_head_dim ** -0.5
+        self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.latent_norm_eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.H * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, self.C + self.R, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.C, cfg.latent_norm_eps)
+        self.kv_b_proj = nn.Linear(self.C, self.H * (self.N + self.V), bias=False)
+        self.o_proj = nn.Linear(self.H * self.V, cfg.hidden_size, bias=False)
+        self.indexer = Indexer(cfg) if self.kind == "dsa" else None
+
+    def forward(self, x: torch.Tensor, ctx: AttnContext, cache: KVCache | None, cache_layer: int,
+                want: Want) -> tuple[torch.Tensor, IndexerOut | None, torch.Tensor | None]:
+        """x [B,T,D] -> (out [B,T,D], indexer output or None, head-summed probs [B,T,S] or None)."""
+        B, T, _ = x.shape
+        H, N, R, C = self.H, self.N, self.R, self.C
+        q_lat = self.q_a_layernorm(self.q_a_proj(x))                           # [B,T,Cq]
+        q_nope, q_rope = self.q_b_proj(q_lat).view(B, T, H, N + R).split([N, R], -1)
+        q_rope = apply_rope(q_rope, ctx.cos, ctx.sin)                          # [B,T,H,R]
+        c, k_rope = self.kv_a_proj_with_mqa(x).split([C, R], -1)
+        c = self.kv_a_layernorm(c)                                             # [B,T,C]
+        k_rope = apply_rope(k_rope, ctx.cos, ctx.sin)                          # [B,T,R]
+
+        # ---- indexer keys (cached like the latents) and selection ----
+        ik = None
+        if self.indexer is not None:
+            # Detached inputs: the indexer learns only from its own loss, the trunk only from LM.
+            with torch.set_grad_enabled(want.indexer and torch.is_grad_enabled()):
+                ik = self.indexer.keys(x.detach(), ctx.cos, ctx.sin)           # [B,T,Di]
+        if cache is not None:
+            c, k_rope, ik = cache.update(cache_layer, c, k_rope, ik)           # now [B,S,*]
+        allowed = ctx.mask(self.kind)                                          # [B,T,S]
+        sparse = self.kind == "dsa" and not want.dense
+        idx_out, indices = None, None
+        if self.indexer is not None and (sparse or want.indexer):
+            with torch.set_grad_enabled(want.indexer and torch.is_grad_enabled()):
+                scores = self.indexer.scores(x.detach(), q_lat.detach(), ik, ctx.cos, ctx.sin, allowed, ctx.past)
+            indices = deterministic_topk(scores.detach(), self.topk)            # [B,T,K]
+            if want.indexer:
+                idx_out = IndexerOut(scores, indices)
+        if not sparse:
+            indices = None
+
+        # ---- attention ----
+        if ctx.past == 0:
+            out, probs = self._explicit(q_nope, q_rope, c, k_rope, allowed, indices, want.attn_probs)
+        else:
+            out, probs = self._absorbed(q_nope, q_rope, c, k_rope, allowed, indices, want.attn_probs)
+        return self.o_proj(out.reshape(B, T, H * self.V)), idx_out, probs
+
+    def _restrict(self, allowed: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:
+        """allowed [B,T,S] AND selected-by-indexer, for the (optional) probability readout."""
+        if indices is None:
+            return allowed
+        sel = torch.zeros_like(allowed)
+        sel.scatter_(-1, indices.clamp(min=0), indices >= 0)
+        return allowed & sel
+
+    def _explicit(self, q_nope, q_rope, c, k_rope, allowed, indices, want_probs):
+        B, S, _ = c.shape
+        k_nope, v = self.kv_b_proj(c).view(B, S, self.H, self.N + self.V).split([self.N, self.V], -1)
+        q = torch.cat([q_nope, q_rope], -1)                                    # [B,T,H,N+R]
+        k = torch.cat([k_nope, k_rope[:, :, None, :].expand(B, S, self.H, self.R)], -1)  # [B,S,H,N+R]
+        if indices is not None:
+            out = sparse_attention(q, k, v, indices, self.scale)               # [B,T,H,V]
+        else:
+            out = dense_attention(q, k, v, allowed, self.scale)
+        probs = head_summed_probs(q, k, self._restrict(allowed, indices), self.scale) if want_probs else None
+        return out, probs
+
+    def _absorbed(self, q_nope, q_rope, c, k_rope, allowed, indices, want_probs):
+        B, S, _ = c.shape
+        w = self.kv_b_proj.weight.view(self.H, self.N + self.V, self.C)
+        w_uk, w_uv = w[:, : self.N], w[:, self.N:]                             # [H,N,C], [H,V,C]
+        q = torch.cat([torch.einsum("bthn,hnc->bthc", q_nope, w_uk), q_rope], -1)  # [B,T,H,C+R]
+        kv = torch.cat([c, k_rope], -1)                                        # [B,S,C+R] the cache
+        if indices is not None:
+            o_lat = sparse_attention_mqa(q, kv, indices, self.scale, self.C)   # [B,T,H,C]
+        else:
+            kv_h = kv[:, :, None, :].expand(B, S, self.H, self.C + self.R)     # one key head for all
+            o_lat = dense_attention(q, kv_h, kv_h[..., : self.C], allowed, self.scale)
+        probs = None
+        if want_probs:
+            kv_h = kv[:, :, None, :].expand(B, S, self.H, self.C + self.R)
+            probs = head_summed_probs(q, kv_h, self._restrict(allowed, indices), self.scale)
+        return torch.einsum("bthc,hvc->bthv", o_lat, w_uv), probs
