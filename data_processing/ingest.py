@@ -1,0 +1,399 @@
+"""Stage `ingest`: raw documents (JSONL, Parquet, plain-text folders; local or s3://) ->
+normalized, sharded Parquet (id, text, source, metadata).
+
+Streams record by record, so memory is bounded by one shard. Nothing is silently dropped: a
+bad record (invalid UTF-8, invalid JSON, not an object, missing or non-string text, empty
+text) goes to quarantine.jsonl with its file, line and reason, and is counted in the metrics.
+
+Resume: shards are written into the checkpoint directory, and after each shard the input
+cursor (source, file, records consumed) is saved with it. A killed run resumes at that cursor
+and produces byte-identical shards, so the published artifact has the same digests.
+"""
+from __future__ import annotations
+
+import base64
+import fnmatch
+import json
+import os
+import shutil
+import sysconfig
+import tempfile
+import unicodedata
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from data_processing.document import Document, ShardWriter, shard_paths
+from glmforge.stage import StageSpec, Workdir
+
+STAGE_VERSION = "1"
+
+
+class SourceConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="label stored in each document's `source` column")
+    path: str = Field(description="file, folder, glob-free prefix or s3:// URI; `{stdlib}` = Python's stdlib dir")
+    format: Literal["auto", "jsonl", "parquet", "text"] = "auto"
+    text_field: str = "text"
+    text_template: str | None = Field(
+        default=None, description='build text from several fields, e.g. "{title}\\n\\n{body}" (null fields become "")'
+    )
+    id_field: str | None = None
+    include: str = "*"  # filename pattern for folders, e.g. "*.py"
+    max_documents: int | None = Field(default=None, gt=0)
+    max_file_bytes: int = Field(default=1_000_000, gt=0, description="text files above this go to quarantine")
+    split_on: str | None = Field(default=None, description="plain text: split each file into records at this separator")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not v or "/" in v:
+            raise ValueError("source name must be non-empty and contain no '/'")
+        return v
+
+
+class IngestConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sources: list[SourceConfig] = Field(min_length=1)
+    shard_size: int = Field(default=2000, gt=0, description="documents per Parquet shard")
+
+
+# ---------------------------------------------------------------- reading raw records
+
+
+@dataclass
+class Raw:
+    """One raw record before validation: its location, and either parsed fields or an error."""
+
+    file: str
+    line: int | None
+    fields: dict[str, Any] | None = None
+    error: str | None = None
+    raw: bytes | str | None = None
+
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def resolve_path(path: str) -> str:
+    """`{stdlib}` -> Python's standard library; a relative path that does not exist in the
+    current directory is looked up in the glmforge checkout (where samples/ lives)."""
+    path = path.replace("{stdlib}", sysconfig.get_paths()["stdlib"])
+    if "://" not in path and not Path(path).is_absolute() and not Path(path).exists():
+        candidate = REPO_ROOT / path
+        if candidate.exists():
+            return str(candidate)
+    return path
+
+
+def _list_files(src: SourceConfig) -> list[str]:
+    """The source's files in a stable order (sorted relative paths)."""
+    path = resolve_path(src.path)
+    if path.startswith("s3://"):
+        return _s3_list(path, src.include)
+    p = Path(path)
+    if p.is_file():
+        return [str(p)]
+    if p.is_dir():
+        return [
+            str(f)
+            for f in sorted(p.rglob("*"), key=lambda f: f.relative_to(p).as_posix())
+            if f.is_file() and fnmatch.fnmatch(f.name, src.include)
+        ]
+    raise FileNotFoundError(f"ingest source {src.name!r}: input {path!r} does not exist")
+
+
+def _s3_list(uri: str, include: str) -> list[str]:
+    from glmforge.store import S3Store
+
+    bucket_uri, _, key = uri[5:].partition("/")
+    store = S3Store(f"s3://{bucket_uri}")
+    keys = store.list(key)
+    if not keys:
+        raise FileNotFoundError(f"ingest: input {uri!r} does not exist (no objects under that prefix)")
+    return [f"s3://{bucket_uri}/{k}" for k in keys if fnmatch.fnmatch(k.rsplit("/", 1)[-1], include)]
+
+
+def _format_of(src: SourceConfig, file: str) -> str:
+    if src.format != "auto":
+        return src.format
+    name = file.lower()
+    if name.endswith((".jsonl", ".ndjson", ".json")):
+        return "jsonl"
+    if name.endswith(".parquet"):
+        return "parquet"
+    return "text"
+
+
+class _LocalCopy:
+    """A local path for a file that may live in S3 (downloaded to a temp file, deleted after)."""
+
+    def __init__(self, file: str):
+        self.file, self.tmp = file, None
+
+    def __enter__(self) -> Path:
+        if not self.file.startswith("s3://"):
+            return Path(self.file)
+        from glmforge.store import S3Store
+
+        bucket, _, key = self.file[5:].partition("/")
+        fd, name = tempfile.mkstemp(suffix=Path(key).suffix)
+        os.close(fd)
+        self.tmp = Path(name)
+        S3Store(f"s3://{bucket}").get_file(key, self.tmp)
+        return self.tmp
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.tmp is not None:
+            self.tmp.unlink(missing_ok=True)
+
+
+def _read_jsonl(path: Path, file: str) -> Iterator[Raw]:
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            stripped = line.strip()
+            if not stripped:
+                continue  # blank lines are not records
+            try:
+                text = stripped.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield Raw(file, lineno, error=f"invalid_utf8: invalid UTF-8 at byte {e.start}", raw=stripped)
+                continue
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as e:
+                yield Raw(file, lineno, error=f"invalid_json: {e.msg} (column {e.colno})", raw=text)
+                continue
+            if not isinstance(obj, dict):
+                yield Raw(file, lineno, error=f"not_object: record is a JSON {type(obj).__name__}, not an object", raw=text)
+                continue
+            yield Raw(file, lineno, fields=obj, raw=text)
+
+
+def _read_parquet(path: Path, file: str) -> Iterator[Raw]:
+    row = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for rec in batch.to_pylist():
+            row += 1
+            yield Raw(file, row, fields=rec)
+
+
+def _read_text(path: Path, file: str, max_bytes: int, split_on: str | None) -> Iterator[Raw]:
+    size = path.stat().st_size
+    if size > max_bytes:
+        yield Raw(file, None, error=f"too_large: file is {size} bytes, above max_file_bytes={max_bytes}", raw=None)
+        return
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        yield Raw(file, None, error=f"invalid_utf8: invalid UTF-8 at byte {e.start}", raw=data)
+        return
+    if split_on is None:
+        yield Raw(file, None, fields={"text": text})
+        return
+    line = 1
+    for part in text.split(split_on):
+        if part.strip():
+            yield Raw(file, line + len(part) - len(part.lstrip("\n")), fields={"text": part})
+        line += part.count("\n") + split_on.count("\n")
+
+
+def read_source(src: SourceConfig, start_file: int = 0, skip: int = 0) -> Iterator[tuple[int, int, Raw]]:
+    """Yield (file_index, records consumed in that file, record) from start_file, skipping
+    the first `skip` records of start_file (resume)."""
+    for fi, file in enumerate(_list_files(src)):
+        if fi < start_file:
+            continue
+        fmt = _format_of(src, file)
+        with _LocalCopy(file) as local:
+            if fmt == "jsonl":
+                records = _read_jsonl(local, file)
+            elif fmt == "parquet":
+                records = _read_parquet(local, file)
+            else:
+                records = _read_text(local, file, src.max_file_bytes, src.split_on)
+            for n, rec in enumerate(records, start=1):
+                if fi == start_file and n <= skip:
+                    continue
+                yield fi, n, rec
+
+
+# ---------------------------------------------------------------- validation
+
+
+def normalize_text(text: str) -> str:
+    """NFC, Unix newlines, no trailing whitespace at the end of the document."""
+    return unicodedata.normalize("NFC", text.replace("\r\n", "\n").replace("\r", "\n")).rstrip()
+
+
+def to_document(src: SourceConfig, rec: Raw, root: str) -> Document | str:
+    """A Document, or why the record is quarantined: "code: detail"."""
+    if rec.error:
+        return rec.error
+    fields = dict(rec.fields or {})
+    if src.text_template is not None:
+        try:
+            text = src.text_template.format_map({k: "" if v is None else v for k, v in fields.items()})
+        except KeyError as e:
+            return f"missing_text: missing field {e.args[0]!r} used by text_template"
+    elif src.text_field not in fields:
+        return f"missing_text: missing field {src.text_field!r}"
+    else:
+        text = fields.pop(src.text_field)
+    if not isinstance(text, str):
+        return f"non_string_text: field {src.text_field!r} is {type(text).__name__}, not a string"
+    text = normalize_text(text)
+    if not text:
+        return f"empty_text: field {src.text_field!r} is empty after normalization"
+    rel = os.path.relpath(rec.file, root) if not rec.file.startswith("s3://") else rec.file[len(root):].lstrip("/")
+    if src.id_field is not None:
+        if fields.get(src.id_field) is None:
+            return f"missing_id: missing id field {src.id_field!r}"
+        doc_id = f"{src.name}/{fields[src.id_field]}"
+    else:
+        doc_id = f"{src.name}/{rel}" + (f"#L{rec.line}" if rec.line is not None else "")
+    meta = {"file": rel, **({"line": rec.line} if rec.line is not None else {})}
+    extra = {k: v for k, v in fields.items() if k != src.id_field}
+    if extra:
+        meta["fields"] = json.loads(json.dumps(extra, default=str))
+    return Document(id=doc_id, text=text, source=src.name, metadata=meta)
+
+
+def _source_root(src: SourceConfig) -> str:
+    path = resolve_path(src.path)
+    if path.startswith("s3://"):
+        return path.rstrip("/")
+    p = Path(path)
+    return str(p.parent if p.is_file() else p)
+
+
+def quarantine_record(src: SourceConfig, rec: Raw, reason: str) -> dict[str, Any]:
+    entry: dict[str, Any] = {"source": src.name, "file": rec.file, "line": rec.line, "reason": reason}
+    raw = rec.raw if rec.raw is not None else (json.dumps(rec.fields, default=str) if rec.fields else None)
+    if isinstance(raw, bytes):
+        entry["raw_base64"] = base64.b64encode(raw).decode()
+    elif raw is not None:
+        entry["raw"] = raw
+    return entry
+
+
+# ---------------------------------------------------------------- the stage
+
+
+@dataclass
+class Cursor:
+    """Where the input stands after the last completed shard."""
+
+    source: int = 0
+    file: int = 0
+    consumed: int = 0  # records consumed in that file
+    shard: int = 0  # next shard index
+    quarantine_bytes: int = 0
+    documents: int = 0
+    text_bytes: int = 0
+    reasons: dict[str, int] | None = None
+    per_source: dict[str, int] | None = None
+
+
+def _load_cursor(path: Path) -> Cursor:
+    if not path.exists():
+        return Cursor(reasons={}, per_source={})
+    return Cursor(**json.loads(path.read_text()))
+
+
+def _save_cursor(path: Path, c: Cursor) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(c.__dict__, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def run(cfg: IngestConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
+    for src in cfg.sources:  # a missing input fails before any work
+        _list_files(src)
+    ckpt = workdir.checkpoint
+    shards_dir = ckpt / "shards"
+    shards_dir.mkdir(parents=True, exist_ok=True)
+    qpath = ckpt / "quarantine.jsonl"
+    cursor_path = ckpt / "cursor.json"
+    c = _load_cursor(cursor_path)
+    reasons, per_source = Counter(c.reasons), Counter(c.per_source)
+
+    # Drop what a killed attempt wrote after its last checkpoint: those records are re-read.
+    for p in shard_paths(shards_dir):
+        if int(p.stem.split("-")[1]) >= c.shard:
+            p.unlink()
+    with open(qpath, "ab") as f:
+        f.truncate(c.quarantine_bytes)
+
+    writer = ShardWriter(shards_dir, cfg.shard_size, start_index=c.shard)
+    pending = {"documents": 0, "bytes": 0, "reasons": Counter(), "sources": Counter()}
+    qfile = open(qpath, "a", encoding="utf-8")
+    pos = (c.source, c.file, c.consumed)
+
+    def checkpoint() -> None:
+        nonlocal c
+        qfile.flush()
+        reasons.update(pending["reasons"])
+        per_source.update(pending["sources"])
+        c = Cursor(
+            source=pos[0], file=pos[1], consumed=pos[2], shard=writer.index,
+            quarantine_bytes=qpath.stat().st_size,
+            documents=c.documents + pending["documents"], text_bytes=c.text_bytes + pending["bytes"],
+            reasons=dict(reasons), per_source=dict(per_source),
+        )
+        _save_cursor(cursor_path, c)
+        pending.update(documents=0, bytes=0, reasons=Counter(), sources=Counter())
+        workdir.persist_checkpoint()
+
+    try:
+        for si, src in enumerate(cfg.sources):
+            if si < c.source:
+                continue
+            root = _source_root(src)
+            start_file, skip = (c.file, c.consumed) if si == c.source else (0, 0)
+            taken = 0
+            if si == c.source:  # documents of this source taken before the checkpoint
+                taken = per_source.get(src.name, 0)
+            for fi, n, rec in read_source(src, start_file, skip):
+                if src.max_documents is not None and taken >= src.max_documents:
+                    break
+                result = to_document(src, rec, root)
+                pos = (si, fi, n)
+                if isinstance(result, str):
+                    qfile.write(json.dumps(quarantine_record(src, rec, result), ensure_ascii=False) + "\n")
+                    pending["reasons"][result.split(":")[0]] += 1
+                else:
+                    taken += 1
+                    pending["documents"] += 1
+                    pending["bytes"] += len(result.text.encode())
+                    pending["sources"][src.name] += 1
+                    if writer.write(result) is not None:
+                        checkpoint()
+                        workdir.progress(c.documents, 0, f"ingest: {src.name}")
+            pos = (si + 1, 0, 0)
+        writer.flush()
+        checkpoint()
+    finally:
+        qfile.close()
+
+    for p in shard_paths(shards_dir):
+        shutil.copyfile(p, workdir.out / p.name)
+    shutil.copyfile(qpath, workdir.out / "quarantine.jsonl")
+    return {
+        "documents": c.documents,
+        "text_bytes": c.text_bytes,
+        "shards": c.shard,
+        "quarantined": sum(reasons.values()),
+        "quarantine_reasons": dict(sorted(reasons.items())),
+        "documents_per_source": dict(sorted(per_source.items())),
+    }
+
+
+STAGE = StageSpec(name="ingest", section="ingest", config_cls=IngestConfig, run=run, version=STAGE_VERSION)

@@ -1,0 +1,64 @@
+"""The whole pipeline as one Prefect flow, and a flow that runs (or resumes) one stage."""
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from glmforge.config import load_config, pipeline_model
+from glmforge.pipeline import get_stage, stages_until
+from glmforge.runner import Runner, RunRecord, execute
+from tasks.stages import stage_task
+from tasks.store import configured_store
+
+
+def _source(preset, config_file, overrides, until=None) -> dict[str, Any]:
+    return {"preset": preset, "config_file": config_file, "overrides": list(overrides or []), "until": until}
+
+
+@flow(name="glmforge-pipeline", log_prints=True)
+def pipeline(
+    preset: str | None = "tiny",
+    config_file: str | None = None,
+    overrides: list[str] | None = None,
+    store: str | None = None,
+    until: str | None = None,
+) -> dict[str, Any]:
+    """Run every stage (or those `until` needs) in order; published stages are skipped."""
+    cfg = load_config(None if config_file else preset, config_file, overrides)
+    specs = stages_until(until)
+    runner = Runner(cfg, configured_store(cfg.store, store))
+    record = RunRecord.new(cfg, _source(preset, config_file, overrides, until), [s.name for s in specs])
+    execute(runner, specs, record, run_one=lambda spec, parents: stage_task(spec, cfg.tasks)(runner, parents))
+    return record.public()
+
+
+@flow(name="glmforge-stage", log_prints=True)
+def stage(
+    stage: str,
+    preset: str | None = "tiny",
+    config_file: str | None = None,
+    overrides: list[str] | None = None,
+    store: str | None = None,
+    run_id: str | None = None,
+) -> dict[str, Any]:
+    """Run one stage from its last checkpoint, reusing the published artifacts upstream.
+
+    With `run_id`, the config comes from that run's record and the record is updated, so
+    `glmforge status` shows the resumed stage in the run it belongs to."""
+    spec = get_stage(stage)
+    given = load_config(None if config_file else preset, config_file, overrides)
+    st = configured_store(given.store, store)
+    if run_id:
+        record = RunRecord.load(st, run_id)
+        if record is None:
+            raise ValueError(f"no run record {run_id!r} in {st.uri}")
+        cfg = pipeline_model().model_validate(record.config)
+    else:
+        cfg = given
+        record = RunRecord.new(cfg, _source(preset, config_file, overrides, stage), [stage])
+    runner = Runner(cfg, st)
+    record.state = "running"
+    execute(runner, [spec], record, run_one=lambda s, parents: stage_task(s, cfg.tasks)(runner, parents))
+    return record.public()
+

@@ -1,0 +1,217 @@
+"""The `glmforge` command line."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from glmforge.config import ConfigError, load_config
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="The GLM-5 recipe as checkpointed Prefect flows.")
+artifacts_app = typer.Typer(no_args_is_help=True, help="Inspect published artifacts.")
+app.add_typer(artifacts_app, name="artifacts")
+
+PresetOpt = typer.Option(None, "--preset", "-p", help="preset in configs/ (default: tiny)")
+ConfigOpt = typer.Option(None, "--config", "-c", help="pipeline config YAML file")
+SetOpt = typer.Option(None, "--set", help="override, e.g. --set ingest.shard_size=1000 (repeatable)")
+StoreOpt = typer.Option(None, "--store", help="artifact store: a directory or s3://bucket/prefix")
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(code)
+
+
+def _store(uri: str | None):
+    from glmforge.store import open_store
+
+    try:
+        return open_store(uri or os.environ.get("GLMFORGE_STORE"))
+    except ValueError as e:
+        _fail(str(e))
+
+
+def _print_stages(record: dict) -> None:
+    for s in record["stages"]:
+        extra = f"  {s['error']}" if s.get("error") else ""
+        typer.echo(f"  {s['name']:<16} {s['state']:<8} {s['key'] or '-':<26} {s['artifact'] or ''}{extra}")
+
+
+@app.command()
+def run(
+    preset: Optional[str] = PresetOpt,
+    config: Optional[Path] = ConfigOpt,
+    until: Optional[str] = typer.Option(None, "--until", help="stop after this stage"),
+    set_: Optional[list[str]] = SetOpt,
+    store: Optional[str] = StoreOpt,
+) -> None:
+    """Run the pipeline (stages already published for this config are reused)."""
+    from glmforge.pipeline import get_stage
+
+    try:
+        load_config(preset, config, set_)  # validate before any work (and before Prefect starts)
+        if until:
+            get_stage(until)
+    except (ConfigError, ValueError) as e:
+        _fail(str(e))
+    from flows.end_to_end import pipeline
+
+    try:
+        result = pipeline(
+            preset=None if config else (preset or "tiny"),
+            config_file=str(config) if config else None,
+            overrides=list(set_ or []),
+            store=store or os.environ.get("GLMFORGE_STORE"),
+            until=until,
+        )
+    except Exception as e:  # the run record already holds the failure; say it plainly
+        _fail(f"pipeline failed: {type(e).__name__}: {e}", code=1)
+    typer.echo(f"run {result['run']['id']}: {result['run']['state']}")
+    _print_stages(result)
+
+
+@app.command()
+def resume(
+    stage: str = typer.Argument(..., help="stage to re-run from its last checkpoint"),
+    store: Optional[str] = StoreOpt,
+    run_id: Optional[str] = typer.Option(None, "--run", help="run id (default: the latest run)"),
+) -> None:
+    """Re-run one stage of a run from its last checkpoint, reusing the artifacts upstream."""
+    from glmforge.pipeline import get_stage
+    from glmforge.runner import RunRecord
+
+    try:
+        get_stage(stage)
+    except ValueError as e:
+        _fail(str(e))
+    st = _store(store)
+    record = RunRecord.load(st, run_id)
+    if record is None:
+        _fail(f"no run recorded in {st.uri}; start one with `glmforge run`")
+    from flows.end_to_end import stage as stage_flow
+
+    try:
+        result = stage_flow(
+            stage=stage,
+            preset=record.source.get("preset"),
+            config_file=record.source.get("config_file"),
+            overrides=record.source.get("overrides"),
+            store=store or os.environ.get("GLMFORGE_STORE") or st.uri,
+            run_id=record.id,
+        )
+    except Exception as e:
+        _fail(f"stage {stage} failed: {type(e).__name__}: {e}", code=1)
+    typer.echo(f"run {result['run']['id']}: {result['run']['state']}")
+    _print_stages(result)
+
+
+@app.command()
+def status(
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+    store: Optional[str] = StoreOpt,
+    run_id: Optional[str] = typer.Option(None, "--run", help="run id (default: the latest run)"),
+) -> None:
+    """Stages of the latest run: key, state, metrics, artifact."""
+    from glmforge.runner import RunRecord
+
+    st = _store(store)
+    record = RunRecord.load(st, run_id)
+    if record is None:
+        _fail(f"no run recorded in {st.uri}")
+    public = record.public()
+    if as_json:
+        typer.echo(json.dumps(public, indent=2, sort_keys=True))
+        return
+    run_info = public["run"]
+    typer.echo(f"run {run_info['id']} ({run_info['state']}, started {run_info['started']}) store {st.uri}")
+    _print_stages(public)
+
+
+def _resolve_ref(st, ref: str):
+    """`stage/key` or `stage` (its key in the latest run) -> Manifest."""
+    from glmforge.runner import RunRecord
+
+    stage, _, key = ref.partition("/")
+    if not key:
+        record = RunRecord.load(st)
+        entry = next((s for s in (record.stages if record else []) if s["name"] == stage and s["key"]), None)
+        if entry is None:
+            _fail(f"no artifact of stage {stage!r} in the latest run; use STAGE/KEY (see `glmforge artifacts ls`)")
+        key = entry["key"]
+    m = st.manifest(stage, key)
+    if m is None:
+        _fail(f"no published artifact {stage}/{key} in {st.uri}")
+    return m
+
+
+@artifacts_app.command("ls")
+def artifacts_ls(stage: Optional[str] = typer.Option(None, "--stage"), store: Optional[str] = StoreOpt) -> None:
+    """List published artifacts."""
+    st = _store(store)
+    for m in st.artifacts():
+        if stage is None or m.stage == stage:
+            size = sum(f.size for f in m.files)
+            typer.echo(f"{m.stage}/{m.key}  {len(m.files)} files  {size} bytes  digest {m.digest[:16]}")
+
+
+@artifacts_app.command("show")
+def artifacts_show(ref: str = typer.Argument(..., help="STAGE/KEY or STAGE"), store: Optional[str] = StoreOpt) -> None:
+    """Print an artifact's manifest (files, metrics, lineage)."""
+    st = _store(store)
+    typer.echo(_resolve_ref(st, ref).to_json())
+
+
+@artifacts_app.command("verify")
+def artifacts_verify(
+    ref: Optional[str] = typer.Argument(None, help="STAGE/KEY or STAGE (default: every artifact)"),
+    store: Optional[str] = StoreOpt,
+) -> None:
+    """Check every file of an artifact (or of all) against its manifest digests."""
+    from glmforge.store import CorruptArtifactError
+
+    st = _store(store)
+    manifests = [_resolve_ref(st, ref)] if ref else list(st.artifacts())
+    bad = 0
+    for m in manifests:
+        try:
+            st.verify(m)
+            typer.echo(f"ok       {m.stage}/{m.key}")
+        except CorruptArtifactError as e:
+            bad += 1
+            typer.echo(f"CORRUPT  {m.stage}/{m.key}: {e}")
+    if bad:
+        raise typer.Exit(1)
+
+
+@artifacts_app.command("gc")
+def artifacts_gc(store: Optional[str] = StoreOpt) -> None:
+    """Delete half-published uploads that no manifest references."""
+    for p in _store(store).gc():
+        typer.echo(f"removed {p}")
+
+
+@app.command()
+def serve(
+    port: int = typer.Option(4200, help="Prefect server port (127.0.0.1)"),
+    pool: str = typer.Option("glmforge", help="process work pool name"),
+) -> None:
+    """Local Prefect server + process work pool + deployments from prefect.yaml + a worker."""
+    from glmforge.serve import serve_forever
+
+    serve_forever(port=port, pool=pool)
+
+
+def main() -> None:
+    try:
+        app()
+    except ConfigError as e:
+        typer.echo(f"error: {e}", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

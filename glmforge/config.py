@@ -1,0 +1,174 @@
+"""Typed pipeline config: one pydantic section per stage, presets as YAML, `--set` overrides.
+
+The config is resolved and validated once, at the CLI or flow entry, before any work starts.
+An invalid config raises ConfigError naming the file, the line (for YAML files), the field and
+the reason. Secrets never live here: store credentials come from the environment or a Prefect
+block, so a resolved config can be written into run records, manifests and Prefect parameters.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message names file, line, field and reason."""
+
+
+class RunConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = "run"
+    seed: int = 0
+
+
+class StoreConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    uri: str | None = Field(default=None, description="local dir or s3://bucket/prefix; default $GLMFORGE_HOME/store")
+    credentials_block: str | None = Field(
+        default=None, description="name of a Prefect Secret block holding S3 credentials as JSON"
+    )
+
+
+class TaskConfig(BaseModel):
+    """How Prefect runs each stage task."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    retries: int = Field(default=2, ge=0)
+    retry_delay_seconds: float = Field(default=5.0, ge=0)
+
+
+@lru_cache(maxsize=1)
+def pipeline_model() -> type[BaseModel]:
+    """The PipelineConfig model, built from the stage registry so each stage owns its section."""
+    from glmforge.pipeline import STAGES
+
+    fields: dict[str, Any] = {
+        "run": (RunConfig, RunConfig()),
+        "store": (StoreConfig, StoreConfig()),
+        "tasks": (TaskConfig, TaskConfig()),
+    }
+    for spec in STAGES:
+        fields[spec.section] = (spec.config_cls, ...)
+    return create_model(
+        "PipelineConfig", __config__=ConfigDict(extra="forbid", frozen=True), **fields
+    )
+
+
+def preset_path(name: str) -> Path:
+    path = CONFIGS_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
+        raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(known)}")
+    return path
+
+
+def _yaml_lines(text: str) -> dict[tuple[str, ...], int]:
+    """Map each key path in a YAML document to its 1-based line, for error messages."""
+    lines: dict[tuple[str, ...], int] = {}
+
+    def walk(node: yaml.Node, path: tuple[str, ...]) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                p = path + (str(k.value),)
+                lines[p] = k.start_mark.line + 1
+                walk(v, p)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                p = path + (str(i),)
+                lines[p] = v.start_mark.line + 1
+                walk(v, p)
+
+    root = yaml.compose(text)
+    if root is not None:
+        walk(root, ())
+    return lines
+
+
+def _set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    cur: Any = d
+    for i, part in enumerate(parts[:-1]):
+        if isinstance(cur, list):
+            cur = cur[int(part)]
+            continue
+        nxt = cur.get(part)
+        if nxt is None:
+            nxt = cur[part] = {}
+        elif not isinstance(nxt, (dict, list)):
+            raise ConfigError(f"--set {dotted}: {'.'.join(parts[: i + 1])} is a value, not a section")
+        cur = nxt
+    if isinstance(cur, list):
+        cur[int(parts[-1])] = value
+    else:
+        cur[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. ingest.shard_size=1000")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {text!r}: value is not valid YAML ({e})") from e
+    return key.strip(), value
+
+
+def load_config(
+    preset: str | None = None,
+    config_file: str | Path | None = None,
+    overrides: list[str] | None = None,
+) -> BaseModel:
+    """Resolve preset or file plus overrides into a validated PipelineConfig."""
+    if preset and config_file:
+        raise ConfigError("give either a preset or a config file, not both")
+    path = Path(config_file) if config_file else preset_path(preset or "tiny")
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    text = path.read_text()
+    try:
+        data = yaml.safe_load(text) or {}
+        lines = _yaml_lines(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: invalid YAML ({getattr(e, 'problem', e)})") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    overridden: set[tuple[str, ...]] = set()
+    for item in overrides or []:
+        key, value = parse_override(item)
+        try:
+            _set_dotted(data, key, value)
+        except (IndexError, ValueError, TypeError) as e:
+            raise ConfigError(f"--set {item!r}: {e}") from e
+        overridden.add(tuple(key.split(".")))
+    try:
+        return pipeline_model().model_validate(data)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            loc = tuple(str(x) for x in err["loc"])
+            field = ".".join(loc) or "(top level)"
+            if any(loc[: len(o)] == o for o in overridden):
+                where = "--set"
+            else:
+                line = next((lines[loc[:i]] for i in range(len(loc), 0, -1) if loc[:i] in lines), None)
+                where = f"{path}:{line}" if line else str(path)
+            problems.append(f"{where}: field {field}: {err['msg']}")
+        raise ConfigError("invalid config\n  " + "\n  ".join(problems)) from None
+
+
+def section_hash(section: BaseModel) -> str:
+    return hashlib.sha256(json.dumps(section.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()

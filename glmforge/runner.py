@@ -1,0 +1,251 @@
+"""Running stages: keys, skip-if-published, checkpoint directories, publishing, run records.
+
+Plain Python: tasks/ and flows/ wrap these calls in Prefect, tests call them directly.
+
+A stage's key is sha256(stage name, stage version, its resolved config section, the run seed,
+the content digests of its parent artifacts). The store is the cache: when an artifact with
+that key is published, the stage is skipped and the artifact reused — in a new flow run, on
+another machine, after the Prefect database is gone.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import logging
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import BaseModel
+
+from glmforge.pipeline import STAGE_NAMES, StageSpec, upstream
+from glmforge.stage import ProgressFn, Workdir
+from glmforge.store import Manifest, Store, default_home
+
+log = logging.getLogger("glmforge")
+
+
+def stage_key(spec: StageSpec, section: BaseModel, seed: int, parents: dict[str, Manifest]) -> str:
+    missing = set(spec.parents) - set(parents)
+    assert not missing, f"{spec.name}: parent artifacts missing: {missing}"
+    payload = {
+        "stage": spec.name,
+        "version": spec.version,
+        "config": section.model_dump(mode="json"),
+        "seed": seed,
+        "inputs": {p: parents[p].digest for p in sorted(spec.parents)},
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
+
+
+@dataclass
+class StageResult:
+    name: str
+    key: str
+    state: str  # "done" (ran now) | "cached" (artifact reused)
+    manifest: Manifest
+    artifact: str
+
+
+class _CheckpointMirror:
+    """Mirrors a local checkpoint dir to the store (remote stores only), uploading changed files."""
+
+    def __init__(self, store: Store, prefix: str, local: Path):
+        self.store, self.prefix, self.local = store, prefix, local
+        self.sent: dict[str, tuple[int, int]] = {}
+
+    def restore(self) -> int:
+        if any(self.local.iterdir()):
+            return 0
+        return self.store.pull_dir(self.prefix, self.local)
+
+    def push(self) -> None:
+        for p in sorted(self.local.rglob("*")):
+            if not p.is_file():
+                continue
+            rel, st = p.relative_to(self.local).as_posix(), p.stat()
+            if self.sent.get(rel) != (st.st_size, st.st_mtime_ns):
+                self.store.put_file(f"{self.prefix}/{rel}", p)
+                self.sent[rel] = (st.st_size, st.st_mtime_ns)
+
+
+class Runner:
+    def __init__(self, cfg: BaseModel, store: Store, home: Path | None = None):
+        self.cfg, self.store = cfg, store
+        self.home = Path(home) if home else default_home()
+        self.seed = cfg.run.seed  # type: ignore[attr-defined]
+
+    def section(self, spec: StageSpec) -> BaseModel:
+        return getattr(self.cfg, spec.section)
+
+    def key(self, spec: StageSpec, parents: dict[str, Manifest]) -> str:
+        return stage_key(spec, self.section(spec), self.seed, parents)
+
+    def workdir_root(self, spec: StageSpec, key: str) -> Path:
+        return self.home / "work" / spec.name / key
+
+    def run_stage(
+        self, spec: StageSpec, parents: dict[str, Manifest], progress: ProgressFn | None = None
+    ) -> StageResult:
+        key = self.key(spec, parents)
+        published = self.store.manifest(spec.name, key)
+        if published is not None:
+            log.info("%s: artifact %s already published, skipping", spec.name, key)
+            return StageResult(spec.name, key, "cached", published, self.store.artifact_uri(spec.name, key))
+
+        root = self.workdir_root(spec, key)
+        out, ckpt = root / "out", root / "checkpoint"
+        shutil.rmtree(out, ignore_errors=True)  # outputs are rebuilt each attempt; state lives in ckpt
+        out.mkdir(parents=True)
+        ckpt.mkdir(parents=True, exist_ok=True)
+        # A local checkpoint survives a crash; with a remote store it is mirrored there too, so
+        # a retry on another machine resumes from it.
+        remote = self.store.local_path("") is None
+        mirror = _CheckpointMirror(self.store, f"checkpoints/{spec.name}/{key}", ckpt) if remote else None
+        if mirror and mirror.restore():
+            log.info("%s: restored checkpoint from %s", spec.name, self.store.uri)
+        workdir = Workdir(
+            out=out,
+            checkpoint=ckpt,
+            progress=progress or (lambda d, t, s: None),
+            persist_checkpoint=mirror.push if mirror else (lambda: None),
+            seed=self.seed,
+        )
+        inputs = {p: self.store.materialize(m, self.home / "cache") for p, m in parents.items()}
+        metrics = spec.run(self.section(spec), inputs, workdir)
+        manifest = self.store.publish(
+            spec.name,
+            key,
+            out,
+            metrics=json.loads(json.dumps(metrics, default=str)),
+            parents={p: m.key for p, m in parents.items()},
+            stage_version=spec.version,
+            config=self.section(spec).model_dump(mode="json"),
+        )
+        shutil.rmtree(root, ignore_errors=True)
+        if mirror:
+            self.store.delete_prefix(f"checkpoints/{spec.name}/{key}")
+        return StageResult(spec.name, key, "done", manifest, self.store.artifact_uri(spec.name, key))
+
+    def published_upstream(self, name: str) -> dict[str, Manifest]:
+        """Manifests of every stage `name` depends on (not itself), for the current config.
+
+        Raises ValueError naming the first upstream stage without a published artifact."""
+        found: dict[str, Manifest] = {}
+        for spec in upstream(name):
+            if spec.name == name:
+                break
+            parents = {p: found[p] for p in spec.parents}
+            key = self.key(spec, parents)
+            m = self.store.manifest(spec.name, key)
+            if m is None:
+                raise ValueError(
+                    f"stage {name!r} needs {spec.name!r}, which has no published artifact for this "
+                    f"config (key {key}) in {self.store.uri}; run `glmforge run --until {spec.name}` first"
+                )
+            found[spec.name] = m
+        return found
+
+
+# ---------------------------------------------------------------- run records
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclass
+class RunRecord:
+    """What `glmforge status` shows: one pipeline run, its stages and their states."""
+
+    id: str
+    config: dict[str, Any]
+    source: dict[str, Any]
+    started: str = field(default_factory=_now)
+    finished: str | None = None
+    state: str = "running"
+    stages: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def new(cls, cfg: BaseModel, source: dict[str, Any], stage_names: list[str]) -> "RunRecord":
+        rec = cls(id=uuid.uuid4().hex[:12], config=cfg.model_dump(mode="json"), source=source)
+        rec.stages = [
+            {"name": n, "key": None, "state": "not run", "metrics": {}, "artifact": None, "error": None}
+            for n in STAGE_NAMES
+            if n in stage_names
+        ]
+        return rec
+
+    def stage(self, name: str) -> dict[str, Any]:
+        for s in self.stages:
+            if s["name"] == name:
+                return s
+        entry = {"name": name, "key": None, "state": "not run", "metrics": {}, "artifact": None, "error": None}
+        self.stages.append(entry)
+        self.stages.sort(key=lambda s: STAGE_NAMES.index(s["name"]) if s["name"] in STAGE_NAMES else 999)
+        return entry
+
+    def mark(self, result: StageResult) -> None:
+        self.stage(result.name).update(
+            key=result.key, state=result.state, metrics=result.manifest.metrics, artifact=result.artifact, error=None
+        )
+
+    def fail(self, name: str, key: str | None, error: BaseException) -> None:
+        self.stage(name).update(key=key, state="failed", error=f"{type(error).__name__}: {error}")
+
+    def save(self, store: Store) -> None:
+        store.put_json(f"runs/{self.id}.json", self.__dict__)
+        store.put_bytes("runs/LATEST", self.id.encode())
+
+    @classmethod
+    def load(cls, store: Store, run_id: str | None = None) -> "RunRecord | None":
+        if run_id is None:
+            try:
+                run_id = store.get_bytes("runs/LATEST").decode().strip()
+            except FileNotFoundError:
+                return None
+        data = store.get_json(f"runs/{run_id}.json")
+        return cls(**data) if data else None
+
+    def public(self) -> dict[str, Any]:
+        """The `status --json` object."""
+        return {
+            "run": {"id": self.id, "state": self.state, "started": self.started, "finished": self.finished, **self.source},
+            "stages": [{k: s[k] for k in ("name", "key", "state", "metrics", "artifact", "error")} for s in self.stages],
+        }
+
+
+def execute(
+    runner: Runner,
+    specs: list[StageSpec],
+    record: RunRecord,
+    run_one: Callable[[StageSpec, dict[str, Manifest]], StageResult] | None = None,
+) -> dict[str, StageResult]:
+    """Run `specs` in order, updating and saving the run record after each stage.
+
+    `run_one` lets tasks/ route each stage through a Prefect task; by default stages run inline."""
+    run_one = run_one or (lambda spec, parents: runner.run_stage(spec, parents))
+    results: dict[str, StageResult] = {}
+    record.save(runner.store)
+    for spec in specs:
+        parents = {p: results[p].manifest for p in spec.parents}
+        if set(spec.parents) - set(results):
+            parents = {**runner.published_upstream(spec.name)}
+        try:
+            res = run_one(spec, parents)
+        except BaseException as e:
+            key = runner.key(spec, parents)
+            record.fail(spec.name, key, e)
+            record.state, record.finished = "failed", _now()
+            record.save(runner.store)
+            raise
+        results[spec.name] = res
+        record.mark(res)
+        record.save(runner.store)
+    record.state, record.finished = "completed", _now()
+    record.save(runner.store)
+    return results
+

@@ -1,0 +1,7 @@
+"""Prefect tasks: thin wrappers that run library stages with retries, progress and artifacts."""
+import os
+
+# Ephemeral Prefect needs more than the default startup time on a 2-core machine, and its
+# analytics only add noise. Set before prefect is imported anywhere.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

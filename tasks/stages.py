@@ -1,0 +1,77 @@
+"""One Prefect task per pipeline stage, all built the same way from the stage registry.
+
+A per-stage module would repeat these lines once per stage; the StageSpec already says
+everything that differs (name, section, version), so one factory serves them all."""
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.states import Completed
+
+from glmforge.config import TaskConfig
+from glmforge.runner import Runner, StageResult
+from glmforge.stage import StageSpec
+from glmforge.store import Manifest, artifact_prefix
+from tasks.progress import StageProgress
+
+
+def _flatten(metrics: dict[str, Any], prefix: str = "") -> list[dict[str, str]]:
+    rows = []
+    for k, v in metrics.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            rows.extend(_flatten(v, name + "."))
+        else:
+            rows.append({"metric": name, "value": json.dumps(v) if isinstance(v, (list, dict)) else str(v)})
+    return rows
+
+
+def publish_prefect_artifacts(runner: Runner, result: StageResult) -> None:
+    """Metrics as a table artifact, and any PNG the stage wrote as a markdown image."""
+    m: Manifest = result.manifest
+    create_table_artifact(
+        key=f"{result.name}-metrics",
+        table=_flatten(m.metrics) or [{"metric": "(none)", "value": ""}],
+        description=f"{result.name} ({result.state}) — {result.artifact}",
+    )
+    base = f"{artifact_prefix(m.stage, m.key)}/{m.data_prefix}"
+    for f in m.files:
+        if f.path.endswith(".png") and f.size < 2_000_000:
+            data = base64.b64encode(runner.store.get_bytes(f"{base}/{f.path}")).decode()
+            slug = f.path.rsplit("/", 1)[-1][:-4].lower().replace("_", "-").replace(".", "-")
+            create_markdown_artifact(
+                key=f"{result.name}-{slug}",
+                markdown=f"### {result.name}: {f.path}\n\n![{f.path}](data:image/png;base64,{data})",
+            )
+
+
+def stage_task(spec: StageSpec, settings: TaskConfig):
+    """The Prefect task that runs `spec`: retries from config, our own store-level cache."""
+
+    @task(
+        name=spec.name,
+        retries=settings.retries,
+        retry_delay_seconds=settings.retry_delay_seconds,
+        cache_policy=NO_CACHE,  # the artifact store is the cache (see glmforge.runner)
+        persist_result=False,
+    )
+    def run(runner: Runner, parents: dict[str, Manifest]):
+        logger = get_run_logger()
+        progress = StageProgress(spec.name)
+        try:
+            result = runner.run_stage(spec, parents, progress=progress)
+        finally:
+            progress.close()
+        publish_prefect_artifacts(runner, result)
+        if result.state == "cached":
+            logger.info("%s: cached, reusing %s", spec.name, result.artifact)
+            return Completed(data=result, name="Cached", message=f"artifact {result.key} reused")
+        logger.info("%s: published %s %s", spec.name, result.artifact, result.manifest.metrics)
+        return result
+
+    return run

