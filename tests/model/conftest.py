@@ -1,0 +1,29 @@
+import warnings
+
+import pytest
+import torch
+
+from model.config import preset
+from model.model import GLMModel
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny ops on a shared 2-core machine: one thread avoids oversubscription stalls (10x here).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def tiny_model():
+    torch.manual_seed(0)
+    return GLMModel(preset("tiny")).eval()
+
+
+@pytest.fixture(scope="module")
+def quiet_transformers():
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore")
