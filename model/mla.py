@@ -112,9 +112,10 @@ class MLA(nn.Module):
         """allowed [B,T,S] AND selected-by-indexer, for the (optional) probability readout."""
         if indices is None:
             return allowed
-        sel = torch.zeros_like(allowed)
-        sel.scatter_(-1, indices.clamp(min=0), indices >= 0)
-        return allowed & sel
+        B, T, S = allowed.shape
+        sel = allowed.new_zeros(B, T, S + 1)           # slot S soaks up the -1 (empty) entries
+        sel.scatter_(-1, torch.where(indices < 0, S, indices), True)
+        return allowed & sel[..., :S]
 
     def _explicit(self, q_nope, q_rope, c, k_rope, allowed, indices, want_probs):
         B, S, _ = c.shape

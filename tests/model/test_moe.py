@@ -1,0 +1,62 @@
+"""MoE routing: top-k on affinity + bias, gates from unbiased affinities; bias balancing."""
+
+import torch
+
+from model.config import preset
+from model.moe import MoE, update_router_bias
+
+
+def _moe():
+    torch.manual_seed(0)
+    moe = MoE(preset("tiny"))
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.1)
+    return moe
+
+
+def test_routing_uses_bias_for_choice_but_not_for_gates():
+    moe = _moe()
+    x = torch.randn(64, 128)
+    s0, chosen0, g0 = moe.gate(x)
+    # A huge bias on experts 6 and 7 forces them to be chosen for every token ...
+    moe.gate.e_score_correction_bias[6:] = 10.0
+    s, chosen, g = moe.gate(x)
+    assert torch.equal(s, s0)
+    assert torch.equal(chosen.sort(-1).values, torch.tensor([6, 7]).expand(64, 2))
+    # ... yet the gates are the UNBIASED affinities of 6 and 7, normalised, times 2.5
+    sel = s.gather(1, chosen)
+    assert torch.allclose(g, sel / sel.sum(-1, keepdim=True) * 2.5, atol=1e-6)
+    assert not torch.allclose(g, (sel + 10) / (sel + 10).sum(-1, keepdim=True) * 2.5)
+
+
+def test_bias_update_moves_toward_balance():
+    moe = _moe().train()
+    with torch.no_grad():
+        moe.gate.weight[0] += 2.0  # expert 0 is everyone's favourite
+    x = torch.randn(4, 32, 128)
+
+    def spread():
+        with torch.no_grad():
+            _, stats = moe(x)
+        return stats["load"].max() - stats["load"].min()
+
+    before = spread()
+    assert moe.load_since_update.sum() == 4 * 32 * 2
+    for _ in range(50):
+        moe.load_since_update.zero_()
+        spread()
+        update_router_bias(moe, gamma=0.05)
+    assert moe.gate.e_score_correction_bias[0] < 0          # the overloaded expert is pushed down
+    assert spread() < before
+    assert moe.load_since_update.sum() > 0 and update_router_bias(moe, 0.0)["max_violation"] >= 0
+    assert moe.load_since_update.sum() == 0                 # reset after each update
+
+
+def test_balance_loss_and_load_stats_in_forward(tiny_model):
+    x = torch.randint(0, 8192, (2, 50))
+    out = tiny_model.train()(x, labels=x)
+    E = tiny_model.config.n_routed_experts
+    assert len(out.expert_load) == 3 + 3        # 3 MoE layers + the MTP block at 3 steps
+    assert all(load.shape == (E,) and load.sum() == 2 * 50 * 2 for load in out.expert_load)
+    assert out.losses["balance"] > 0
