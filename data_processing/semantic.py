@@ -9,10 +9,10 @@
      embeddings, for real runs on a GPU).
 2. k-means (seeded, `clusters` centroids, k-means++ init) groups documents so the pairwise
    comparison stays inside a cluster (O(sum n_c^2) instead of O(n^2)).
-3. Inside each cluster, a document is removed when its cosine similarity to a document that is
-   kept is >= `threshold`. Keep rule: documents are visited by decreasing quality score
-   (metadata["quality"]["score"], 0 when absent), ties -> the lowest id, so of each
-   semantic-duplicate group the best document survives.
+3. Inside each cluster, documents are ordered by decreasing quality score
+   (metadata["quality"]["score"], 0 when absent), ties -> the lowest id, and a document is
+   removed when its cosine similarity to any document earlier in that order is >= `threshold`
+   (SemDeDup's rule), so the best document of each semantic-duplicate group survives.
 """
 from __future__ import annotations
 
@@ -121,23 +121,28 @@ def kmeans(x: np.ndarray, k: int, iters: int, seed: int) -> np.ndarray:
 
 
 def semdedup(emb: np.ndarray, ids: Sequence[str], scores: Sequence[float], cfg: SemanticConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(keep mask, cluster of each doc, index of the kept doc each removed one duplicates; -1)."""
+    """(keep mask, cluster of each doc, index of the doc each removed one duplicates; -1).
+
+    Inside a cluster, documents are ordered by the keep rule (quality desc, id asc) and a
+    document is removed when its cosine similarity to any document earlier in that order is
+    >= threshold (SemDeDup's rule, as in NeMo-Curator). Computed in column blocks, so memory
+    stays O(n_c * block) per cluster."""
     assign = kmeans(emb, cfg.clusters, cfg.kmeans_iters, cfg.seed)
     keep = np.ones(len(ids), dtype=bool)
     dup_of = np.full(len(ids), -1, dtype=np.int64)
+    block = 1024
     for j in np.unique(assign):
         members = np.flatnonzero(assign == j)
-        members = np.array(sorted(members, key=lambda i: (-scores[i], ids[i])))
-        kept: list[int] = []
-        for i in members:
-            if kept:
-                sims = emb[kept] @ emb[i]
-                best = int(np.argmax(sims))
-                if sims[best] >= cfg.threshold:
-                    keep[i] = False
-                    dup_of[i] = kept[best]
-                    continue
-            kept.append(int(i))
+        members = np.array(sorted(members, key=lambda i: (-scores[i], ids[i])), dtype=np.int64)
+        e = emb[members]
+        for a in range(0, len(members), block):
+            b = min(a + block, len(members))
+            sims = e[:b] @ e[a:b].T                          # (b, b-a): earlier rows x this block
+            sims[np.arange(b)[:, None] >= np.arange(a, b)[None, :]] = -np.inf  # only earlier docs
+            best = np.argmax(sims, axis=0)
+            hit = sims[best, np.arange(b - a)] >= cfg.threshold
+            keep[members[a:b][hit]] = False
+            dup_of[members[a:b][hit]] = members[best[hit]]
     return keep, assign, dup_of
 
 
