@@ -12,6 +12,7 @@ and produces byte-identical shards, so the published artifact has the same diges
 from __future__ import annotations
 
 import base64
+import hashlib
 import fnmatch
 import json
 import os
@@ -110,14 +111,40 @@ def _list_files(src: SourceConfig) -> list[str]:
 
 
 def _s3_list(uri: str, include: str) -> list[str]:
+    return [u for u, _ in _s3_objects(uri, include)]
+
+
+def _s3_objects(uri: str, include: str) -> list[tuple[str, str]]:
+    """(uri, etag) of each object under an s3:// prefix matching `include`."""
     from glmforge.store import S3Store
 
-    bucket_uri, _, key = uri[5:].partition("/")
-    store = S3Store(f"s3://{bucket_uri}")
-    keys = store.list(key)
-    if not keys:
+    bucket, _, key = uri[5:].partition("/")
+    store = S3Store(f"s3://{bucket}")
+    found = [
+        (f"s3://{bucket}/{o['Key']}", o.get("ETag", ""))
+        for page in store._client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key)
+        for o in page.get("Contents", [])
+    ]
+    if not found:
         raise FileNotFoundError(f"ingest: input {uri!r} does not exist (no objects under that prefix)")
-    return [f"s3://{bucket_uri}/{k}" for k in keys if fnmatch.fnmatch(k.rsplit("/", 1)[-1], include)]
+    return sorted((u, e) for u, e in found if fnmatch.fnmatch(u.rsplit("/", 1)[-1], include))
+
+
+def fingerprint(cfg: "IngestConfig") -> str:
+    """Names, sizes and mtimes (local) or ETags (S3) of every input file: changes when raw data
+    changes, without reading it. Part of the stage key."""
+    h = hashlib.sha256()
+    for src in cfg.sources:
+        path = resolve_path(src.path)
+        if path.startswith("s3://"):
+            for uri, etag in _s3_objects(path, src.include):
+                h.update(f"{uri}\0{etag}\n".encode())
+            continue
+        root = _source_root(src)
+        for f in _list_files(src):
+            st = os.stat(f)
+            h.update(f"{os.path.relpath(f, root)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
 
 
 def _format_of(src: SourceConfig, file: str) -> str:
@@ -396,4 +423,6 @@ def run(cfg: IngestConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[st
     }
 
 
-STAGE = StageSpec(name="ingest", section="ingest", config_cls=IngestConfig, run=run, version=STAGE_VERSION)
+STAGE = StageSpec(
+    name="ingest", section="ingest", config_cls=IngestConfig, run=run, version=STAGE_VERSION, fingerprint=fingerprint
+)

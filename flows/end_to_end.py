@@ -8,7 +8,7 @@ from prefect import flow
 from glmforge.config import load_config, pipeline_model
 from glmforge.pipeline import get_stage, stages_until
 from glmforge.runner import Runner, RunRecord, execute
-from tasks.stages import stage_task
+from tasks.stages import run_in_prefect
 from tasks.store import configured_store
 
 
@@ -29,7 +29,7 @@ def pipeline(
     specs = stages_until(until)
     runner = Runner(cfg, configured_store(cfg.store, store))
     record = RunRecord.new(cfg, _source(preset, config_file, overrides, until), [s.name for s in specs])
-    execute(runner, specs, record, run_one=lambda spec, parents: stage_task(spec, cfg.tasks)(runner, parents))
+    execute(runner, specs, record, run_one=lambda spec, parents: run_in_prefect(spec, cfg.tasks, runner, parents))
     return record.public()
 
 
@@ -59,6 +59,6 @@ def stage(
         record = RunRecord.new(cfg, _source(preset, config_file, overrides, stage), [stage])
     runner = Runner(cfg, st)
     record.state = "running"
-    execute(runner, [spec], record, run_one=lambda s, parents: stage_task(s, cfg.tasks)(runner, parents))
+    execute(runner, [spec], record, run_one=lambda s, parents: run_in_prefect(s, cfg.tasks, runner, parents))
     return record.public()
 

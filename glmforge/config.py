@@ -59,10 +59,18 @@ def pipeline_model() -> type[BaseModel]:
         "tasks": (TaskConfig, TaskConfig()),
     }
     for spec in STAGES:
-        fields[spec.section] = (spec.config_cls, ...)
+        fields[spec.section] = (spec.config_cls, _default_or_required(spec.config_cls))
     return create_model(
         "PipelineConfig", __config__=ConfigDict(extra="forbid", frozen=True), **fields
     )
+
+
+def _default_or_required(cls: type[BaseModel]) -> Any:
+    """A section whose fields all have defaults may be left out of a config file."""
+    try:
+        return cls()
+    except ValidationError:
+        return ...
 
 
 def preset_path(name: str) -> Path:

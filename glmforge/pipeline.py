@@ -9,10 +9,7 @@ from glmforge.stage import StageSpec
 
 
 def _curation() -> list[StageSpec]:
-    try:  # DEV-ONLY guard until data_processing/stages.py lands; remove before commit
-        from data_processing.stages import STAGES as curation
-    except ModuleNotFoundError:
-        return []
+    from data_processing.stages import STAGES as curation
 
     return [s for s in curation if s.name != "ingest"]
 

@@ -38,6 +38,8 @@ def stage_key(spec: StageSpec, section: BaseModel, seed: int, parents: dict[str,
         "seed": seed,
         "inputs": {p: parents[p].digest for p in sorted(spec.parents)},
     }
+    if spec.fingerprint is not None:
+        payload["raw_inputs"] = spec.fingerprint(section)
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
 
 

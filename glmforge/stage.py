@@ -65,3 +65,6 @@ class StageSpec:
     run: StageFn
     parents: tuple[str, ...] = ()   # names of the stages whose artifacts are `inputs`
     version: str = "1"              # bump when the stage's output for the same inputs changes
+    # Root stages read raw data that is not an artifact; a cheap fingerprint of it (file names,
+    # sizes, mtimes or ETags) joins the key so edited raw data is not served from cache.
+    fingerprint: Callable[[Any], str] | None = None

@@ -75,3 +75,11 @@ def stage_task(spec: StageSpec, settings: TaskConfig):
         return result
 
     return run
+
+
+def run_in_prefect(spec: StageSpec, settings: TaskConfig, runner: Runner, parents: dict[str, Manifest]) -> StageResult:
+    """Run a stage as its Prefect task and return its StageResult (raising its error if it failed).
+
+    The task may finish as a custom "Cached" state; calling it with return_state and reading
+    the state's result gives the StageResult either way."""
+    return stage_task(spec, settings)(runner, parents, return_state=True).result()

@@ -1,0 +1,108 @@
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from data_processing.document import read_documents
+from data_processing.ingest import IngestConfig, run
+from glmforge.stage import Workdir
+
+
+def _cfg(**src):
+    return IngestConfig(sources=[{"name": "t", **src}], shard_size=2)
+
+
+def _run(cfg, tmp_path):
+    wd = Workdir.at(tmp_path / "wd")
+    metrics = run(cfg, {}, wd)
+    quarantine = [json.loads(l) for l in (wd.out / "quarantine.jsonl").read_text().splitlines()]
+    return metrics, list(read_documents(wd.out)), quarantine
+
+
+def test_mixed_good_and_bad_jsonl(tmp_path):
+    f = tmp_path / "in.jsonl"
+    lines = [
+        b'{"text": "first good", "lang": "en"}',
+        b'{"text": ',                                   # 2: invalid JSON
+        b'{"body": "no text"}',                         # 3: missing text
+        b'{"text": 42}',                                # 4: non-string
+        b'{"text": "caf\xe9"}',                         # 5: invalid UTF-8 (latin-1 byte)
+        b'{"text": "   \\n  "}',                        # 6: empty after normalization
+        b'[1, 2]',                                      # 7: not an object
+        b'',                                            # blank line: not a record
+        b'{"text": "second\\r\\ngood  "}',              # 9
+    ]
+    f.write_bytes(b"\n".join(lines) + b"\n")
+    metrics, docs, quarantine = _run(_cfg(path=str(f)), tmp_path)
+    assert [d.text for d in docs] == ["first good", "second\ngood"]
+    assert docs[0].id == "t/in.jsonl#L1" and docs[0].metadata["fields"] == {"lang": "en"}
+    assert [(q["line"], q["reason"].split(":")[0]) for q in quarantine] == [
+        (2, "invalid_json"), (3, "missing_text"), (4, "non_string_text"), (5, "invalid_utf8"),
+        (6, "empty_text"), (7, "not_object"),
+    ]
+    assert all(q["file"].endswith("in.jsonl") for q in quarantine)
+    assert quarantine[3]["raw_base64"]  # the undecodable bytes are kept, not lost
+    assert metrics["documents"] == 2 and metrics["quarantined"] == 6
+    assert metrics["quarantine_reasons"]["invalid_json"] == 1
+
+
+def test_parquet_and_text_folders(tmp_path):
+    pq.write_table(pa.table({"text": ["a", None, "c"], "id": [1, 2, 3]}), tmp_path / "x.parquet")
+    m, docs, q = _run(_cfg(path=str(tmp_path / "x.parquet"), id_field="id"), tmp_path / "p")
+    assert [d.id for d in docs] == ["t/1", "t/3"] and q[0]["line"] == 2
+
+    folder = tmp_path / "texts"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.py").write_text("print(1)\n")
+    (folder / "sub" / "b.py").write_text("print(2)\n")
+    (folder / "c.txt").write_text("skip me")
+    m, docs, q = _run(_cfg(path=str(folder), include="*.py"), tmp_path / "t")
+    assert [d.id for d in docs] == ["t/a.py", "t/sub/b.py"] and not q
+
+
+def test_text_split_and_template(tmp_path):
+    (tmp_path / "play.txt").write_text("ROMEO:\nHi.\n\nJULIET:\nHello.\n\n\n")
+    _, docs, _ = _run(_cfg(path=str(tmp_path / "play.txt"), split_on="\n\n"), tmp_path / "a")
+    assert [(d.text, d.metadata["line"]) for d in docs] == [("ROMEO:\nHi.", 1), ("JULIET:\nHello.", 4)]
+    (tmp_path / "qa.jsonl").write_text('{"q": "1+1?", "a": "2"}\n{"q": "x"}\n')
+    _, docs, q = _run(_cfg(path=str(tmp_path / "qa.jsonl"), text_template="Q: {q}\nA: {a}"), tmp_path / "b")
+    assert [d.text for d in docs] == ["Q: 1+1?\nA: 2"] and "'a'" in q[0]["reason"]
+
+
+def test_missing_input_is_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="ingest source 't'.*does-not-exist"):
+        _run(_cfg(path=str(tmp_path / "does-not-exist.jsonl")), tmp_path)
+
+
+def test_resume_after_crash_gives_identical_shards(tmp_path, monkeypatch):
+    f = tmp_path / "in.jsonl"
+    f.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" if i % 7 else "bad\n" for i in range(1, 40)))
+    cfg = _cfg(path=str(f))
+    clean = Workdir.at(tmp_path / "clean")
+    run(cfg, {}, clean)
+
+    import data_processing.ingest as ingest
+
+    crashed = Workdir.at(tmp_path / "crashed")
+    real, calls = ingest._save_cursor, {"n": 0}
+
+    def crash_on_fifth(path, c):
+        real(path, c)
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt("simulated kill")
+
+    monkeypatch.setattr(ingest, "_save_cursor", crash_on_fifth)
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg, {}, crashed)
+    monkeypatch.setattr(ingest, "_save_cursor", real)
+    # The killed attempt also wrote records past its checkpoint; resume must not duplicate them.
+    with open(crashed.checkpoint / "quarantine.jsonl", "a") as q:
+        q.write('{"partial": true}\n')
+    metrics = run(cfg, {}, crashed)
+    for name in ["quarantine.jsonl"] + [p.name for p in sorted(clean.out.glob("part-*.parquet"))]:
+        assert (crashed.out / name).read_bytes() == (clean.out / name).read_bytes(), name
+    assert metrics["documents"] == 34 and metrics["quarantined"] == 5

@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import pytest
+
+from glmforge.config import CONFIGS_DIR, ConfigError, load_config
+
+
+def test_presets_validate():
+    for path in sorted(CONFIGS_DIR.glob("*.yaml")):
+        cfg = load_config(path.stem)
+        assert cfg.run.name == path.stem
+
+
+def test_override_sets_nested_values():
+    cfg = load_config("tiny", overrides=["ingest.shard_size=7", "run.seed=99", "ingest.sources.0.max_documents=3"])
+    assert cfg.ingest.shard_size == 7 and cfg.run.seed == 99 and cfg.ingest.sources[0].max_documents == 3
+
+
+def test_unknown_preset_lists_known():
+    with pytest.raises(ConfigError, match="unknown preset 'nope'.*tiny"):
+        load_config("nope")
+
+
+def test_bad_override_names_field_and_reason():
+    with pytest.raises(ConfigError, match=r"--set: field ingest\.shard_size: .*greater than 0"):
+        load_config("tiny", overrides=["ingest.shard_size=0"])
+    with pytest.raises(ConfigError, match=r"field ingest\.shard_sise: Extra inputs are not permitted"):
+        load_config("tiny", overrides=["ingest.shard_sise=5"])
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        load_config("tiny", overrides=["ingest.shard_size"])
+
+
+def test_bad_file_names_file_line_field(tmp_path):
+    text = (CONFIGS_DIR / "tiny.yaml").read_text().replace("shard_size: 1000", "shard_size: lots")
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    line = next(i for i, l in enumerate(text.splitlines(), 1) if "shard_size: lots" in l)
+    with pytest.raises(ConfigError, match=rf"bad\.yaml:{line}: field ingest\.shard_size: .*integer"):
+        load_config(config_file=path)
+
+
+def test_invalid_yaml_names_line(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("run:\n  name: x\n  seed: [1,\n")
+    with pytest.raises(ConfigError, match=r"broken\.yaml:\d+: invalid YAML"):
+        load_config(config_file=path)
+
+
+def test_missing_section_is_reported(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("run: {name: x}\n")
+    with pytest.raises(ConfigError, match=r"field ingest: Field required"):
+        load_config(config_file=path)

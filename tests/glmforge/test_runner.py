@@ -1,0 +1,108 @@
+"""Stage keys, skipping, publishing and run records, without Prefect."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from glmforge.config import load_config
+from glmforge.pipeline import get_stage
+from glmforge.runner import Runner, RunRecord, execute, stage_key
+from glmforge.store import LocalStore, Manifest
+
+
+@pytest.fixture
+def jsonl(tmp_path):
+    f = tmp_path / "raw" / "docs.jsonl"
+    f.parent.mkdir()
+    f.write_text("".join(json.dumps({"text": f"document number {i}"}) + "\n" for i in range(50)))
+    return f
+
+
+def _cfg(jsonl, *extra):
+    return load_config("tiny", overrides=[f"ingest.sources=[{{name: raw, path: '{jsonl}'}}]", "ingest.shard_size=10", *extra])
+
+
+def _runner(tmp_path, cfg):
+    return Runner(cfg, LocalStore(tmp_path / "store"), home=tmp_path / "home")
+
+
+def test_key_changes_one_field_at_a_time(jsonl):
+    spec = get_stage("ingest")
+    base = _cfg(jsonl)
+    k = stage_key(spec, base.ingest, base.run.seed, {})
+    assert stage_key(spec, base.ingest, base.run.seed, {}) == k
+    assert stage_key(spec, _cfg(jsonl, "ingest.shard_size=11").ingest, 0, {}) != stage_key(spec, base.ingest, 0, {})
+    assert stage_key(spec, base.ingest, base.run.seed + 1, {}) != k
+    assert stage_key(dataclasses.replace(spec, version="999"), base.ingest, base.run.seed, {}) != k
+    jsonl.write_text(jsonl.read_text() + '{"text": "one more"}\n')  # raw data changed
+    assert stage_key(spec, base.ingest, base.run.seed, {}) != k
+
+
+def test_key_depends_on_parent_digest(jsonl):
+    child = dataclasses.replace(get_stage("ingest"), name="child", parents=("ingest",), fingerprint=None)
+    cfg = _cfg(jsonl)
+    m1 = Manifest("ingest", "a", "data-1", files=[])
+    m2 = Manifest("ingest", "b", "data-2", files=[])  # same (empty) content, other key and nonce
+    m3 = Manifest("ingest", "a", "data-1", files=[__import__("glmforge.store").store.FileEntry("x", 1, "00")])
+    key = lambda m: stage_key(child, cfg.ingest, 0, {"ingest": m})
+    assert key(m1) == key(m2) != key(m3)
+
+
+def test_second_run_is_cached_and_does_no_work(tmp_path, jsonl, monkeypatch):
+    cfg = _cfg(jsonl)
+    calls = []
+    spec = get_stage("ingest")
+    counting = dataclasses.replace(spec, run=lambda *a: calls.append(1) or spec.run(*a))
+    first = _runner(tmp_path, cfg).run_stage(counting, {})
+    second = _runner(tmp_path, cfg).run_stage(counting, {})  # a new runner: nothing in memory
+    assert (first.state, second.state, len(calls)) == ("done", "cached", 1)
+    assert first.manifest.digest == second.manifest.digest
+    assert first.manifest.metrics["documents"] == 50
+    assert not (tmp_path / "home" / "work" / "ingest" / first.key).exists()  # workdir cleaned up
+
+
+def test_failed_publish_leaves_no_artifact_and_retry_succeeds(tmp_path, jsonl, monkeypatch):
+    cfg = _cfg(jsonl)
+    runner = _runner(tmp_path, cfg)
+    real = LocalStore.put_bytes
+
+    def die_on_manifest(self, key, data):
+        if key.endswith("MANIFEST.json"):
+            raise KeyboardInterrupt("killed before the manifest")
+        return real(self, key, data)
+
+    monkeypatch.setattr(LocalStore, "put_bytes", die_on_manifest)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_stage(get_stage("ingest"), {})
+    monkeypatch.setattr(LocalStore, "put_bytes", real)
+    assert list(runner.store.artifacts()) == []
+    result = runner.run_stage(get_stage("ingest"), {})
+    assert result.state == "done"
+    assert len(runner.store.gc()) == 1  # the orphaned upload of the killed attempt
+    runner.store.verify(result.manifest)
+
+
+def test_execute_records_failure_and_status(tmp_path, jsonl):
+    cfg = _cfg(jsonl)
+    runner = _runner(tmp_path, cfg)
+    spec = get_stage("ingest")
+    boom = dataclasses.replace(spec, run=lambda *a: (_ for _ in ()).throw(RuntimeError("disk on fire")))
+    record = RunRecord.new(cfg, {"preset": "tiny"}, ["ingest"])
+    with pytest.raises(RuntimeError):
+        execute(runner, [boom], record)
+    saved = RunRecord.load(runner.store)
+    assert saved.state == "failed"
+    assert saved.stages[0]["state"] == "failed" and "disk on fire" in saved.stages[0]["error"]
+    execute(runner, [spec], saved)
+    public = RunRecord.load(runner.store).public()
+    assert public["run"]["state"] == "completed"
+    assert public["stages"][0]["state"] == "done" and public["stages"][0]["metrics"]["documents"] == 50
+
+
+def test_published_upstream_names_missing_parent(tmp_path, jsonl):
+    runner = _runner(tmp_path, _cfg(jsonl))
+    with pytest.raises(ValueError, match="needs 'ingest'.*glmforge run --until ingest"):
+        runner.published_upstream("quality")
