@@ -107,6 +107,8 @@ def file_diff(f: dict) -> str:
         lines += ["new file mode 100644", "--- /dev/null", f"+++ b/{new}"]
     elif status == "removed":
         lines += ["deleted file mode 100644", f"--- a/{old}", "+++ /dev/null"]
+    elif old != new and not f.get("patch"):  # pure rename: git prints no ---/+++ lines
+        lines += ["similarity index 100%", f"rename from {old}", f"rename to {new}"]
     else:
         if old != new:
             lines += [f"rename from {old}", f"rename to {new}"]
@@ -119,7 +121,7 @@ def split_files(files: list[dict]) -> tuple[str, str, list[str]]:
     """(code patch, test patch, test file paths)."""
     code, test, test_paths = [], [], []
     for f in files:
-        if not f.get("patch"):
+        if not f.get("patch") and not f.get("previous_filename"):
             continue  # binary or too-large diffs carry no patch text
         if is_test_path(f["filename"]):
             test.append(file_diff(f))

@@ -1,0 +1,147 @@
+"""Exact and MinHash dedup on real stdlib modules with planted near-duplicates."""
+from __future__ import annotations
+
+import random
+import shutil
+
+import numpy as np
+import pytest
+
+from data_processing import dedup_exact, minhash
+from data_processing.document import Document, read_documents
+from data_processing.minhash import MinHashConfig, minhash_signatures, text_signatures
+from glmforge.stage import Workdir
+
+from .conftest import stdlib_docs, write_docs
+
+
+def edit_words(text: str, rate: float, rng: random.Random) -> str:
+    """Replace a `rate` share of the words: a near-duplicate (word 5-gram Jaccard ~0.6-0.8)."""
+    words = text.split()
+    for _ in range(max(1, int(len(words) * rate))):
+        words[rng.randrange(len(words))] = rng.choice(["foo", "bar", "qux", "zap"])
+    return " ".join(words)
+
+
+# ---------------------------------------------------------------------------------------------
+def test_exact_dedup_normalisation_and_first_kept(tmp_path, workdir):
+    docs = stdlib_docs(5)
+    variant = Document("z-variant", "  " + docs[1].text.upper().replace("\n", "\r\n") + "\n", "x")  # NFKC/casefold/ws
+    punct = Document("y-punct", docs[2].text + "!", "x")  # punctuation differs: not an exact duplicate
+    src = write_docs(tmp_path / "in", docs + [variant, punct, Document("c-copy", docs[0].text, "x")])
+    m = dedup_exact.run(dedup_exact.DedupExactConfig(), {"quality": src}, workdir)
+    kept = [d.id for d in read_documents(workdir.out)]
+    removed = {d.id: d.metadata["removed_reason"] for d in read_documents(workdir.out / "removed")}
+    assert kept == [d.id for d in docs] + ["y-punct"]  # first occurrences, input order
+    assert removed == {"z-variant": f"duplicate_of:{docs[1].id}", "c-copy": f"duplicate_of:{docs[0].id}"}
+    assert m["removed"] == 2 and m["documents_in"] == 8
+
+
+def test_exact_dedup_is_idempotent(tmp_path):
+    docs = stdlib_docs(6)
+    src = write_docs(tmp_path / "in", docs + docs[:3])
+    w1, w2 = Workdir.at(tmp_path / "a"), Workdir.at(tmp_path / "b")
+    dedup_exact.run(dedup_exact.DedupExactConfig(), {"p": src}, w1)
+    m2 = dedup_exact.run(dedup_exact.DedupExactConfig(), {"p": w1.out}, w2)
+    assert m2["removed"] == 0
+    assert [d.text for d in read_documents(w1.out)] == [d.text for d in read_documents(w2.out)]
+
+
+# ---------------------------------------------------------------------------------------------
+def test_signature_estimates_jaccard():
+    cfg = MinHashConfig(bands=32, rows=8)  # 256 hashes: tighter estimate for the check
+    a = stdlib_docs(1)[0].text
+    b = edit_words(a, 0.02, random.Random(0))
+    sa, sb = minhash.shingle_hashes(a), minhash.shingle_hashes(b)
+    true_j = len(np.intersect1d(sa, sb)) / len(np.union1d(sa, sb))
+    sig = text_signatures([a, b], cfg)
+    est = (sig[0] == sig[1]).mean()
+    assert abs(est - true_j) < 0.08, (est, true_j)
+    # unrelated modules share (almost) nothing
+    c = stdlib_docs(2)[1].text
+    assert (text_signatures([a, c], cfg)[0] == text_signatures([a, c], cfg)[1]).mean() < 0.1
+
+
+def test_minhash_recall_and_precision_on_planted_near_duplicates(tmp_path, workdir):
+    """120 distinct stdlib modules + 30 near-duplicates (1% of words replaced, Jaccard ~0.8-0.9).
+    Known answer: every planted copy removed (recall 1.0 at this edit rate), no original
+    removed (precision: distinct modules kept)."""
+    rng = random.Random(7)
+    originals = stdlib_docs(120)
+    planted = [Document(f"zz-dup-{i:03d}", edit_words(originals[i * 4].text, 0.01, rng), "planted") for i in range(30)]
+    src = write_docs(tmp_path / "in", originals + planted, shard_size=40)
+    m = minhash.run(MinHashConfig(), {"dedup-exact": src}, workdir)
+    removed = {d.id: d.metadata["removed_reason"] for d in read_documents(workdir.out / "removed")}
+    planted_removed = [i for i in range(30) if f"zz-dup-{i:03d}" in removed]
+    originals_removed = [d.id for d in originals if d.id in removed]
+    assert len(planted_removed) >= 29, f"recall {len(planted_removed)}/30"
+    assert originals_removed == [], f"distinct modules removed: {originals_removed}"
+    assert removed["zz-dup-000"] == f"near_duplicate_of:{originals[0].id}"
+    assert m["clusters"] >= 29 and m["removed"] == len(removed)
+
+
+def test_keep_rule_prefers_quality_then_lowest_id():
+    roots = np.array([0, 0, 0, 3])
+    keep = minhash.choose_kept(roots, ["b", "a", "c", "d"], [0.5, 0.5, 0.9, 0.0])
+    assert keep.tolist() == [False, False, True, True]
+    keep = minhash.choose_kept(roots, ["b", "a", "c", "d"], [0.5, 0.5, 0.1, 0.0])
+    assert keep.tolist() == [False, True, False, True]
+
+
+def test_signatures_per_shard_match_and_parallel_run_is_identical(tmp_path):
+    docs = stdlib_docs(40)
+    src = write_docs(tmp_path / "in", docs + [Document("dup", docs[0].text + " extra", "x")], shard_size=10)
+    cfg = MinHashConfig()
+    per_shard = np.concatenate([minhash_signatures(p, cfg) for p in sorted(src.glob("part-*.parquet"))])
+    assert np.array_equal(per_shard, text_signatures([d.text for d in docs] + [docs[0].text + " extra"], cfg))
+    w1, w2 = Workdir.at(tmp_path / "serial"), Workdir.at(tmp_path / "pool")
+    m1 = minhash.run(cfg, {"p": src}, w1)
+    m2 = minhash.run(cfg.model_copy(update={"workers": 2}), {"p": src}, w2)
+    assert m1 == m2 and m1["removed"] == 1
+    assert [d.id for d in read_documents(w1.out)] == [d.id for d in read_documents(w2.out)]
+
+
+def test_datasketch_backend_finds_the_same_planted_pairs(tmp_path):
+    rng = random.Random(3)
+    originals = stdlib_docs(30)
+    planted = [Document(f"zz-{i}", edit_words(originals[i].text, 0.01, rng), "p") for i in range(10)]
+    texts = [d.text for d in originals + planted]
+    for cfg in (MinHashConfig(), MinHashConfig(backend="datasketch")):
+        roots, _ = minhash.cluster(text_signatures(texts, cfg), cfg)
+        assert [int(roots[30 + i]) for i in range(10)] == list(range(10)), cfg.backend
+        assert len(set(roots[:30].tolist())) == 30
+
+
+def test_redis_lsh_storage(tmp_path):
+    redis = pytest.importorskip("redis")
+    if shutil.which("redis-server") is None:
+        pytest.skip("no redis-server on this machine")
+    import subprocess
+    import time
+
+    port = 6391
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    try:
+        for _ in range(50):
+            try:
+                redis.Redis(port=port).ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.1)
+        originals = stdlib_docs(10)
+        texts = [d.text for d in originals] + [edit_words(originals[0].text, 0.01, random.Random(0))]
+        cfg = MinHashConfig(backend="datasketch", lsh_storage="redis", redis_url=f"redis://127.0.0.1:{port}/0")
+        roots, _ = minhash.cluster(text_signatures(texts, cfg), cfg)
+        assert int(roots[10]) == 0 and len(set(roots[:10].tolist())) == 10
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def test_minhash_config_rejects_redis_with_numpy_backend():
+    with pytest.raises(ValueError, match="backend: datasketch"):
+        MinHashConfig(lsh_storage="redis")
+    with pytest.raises(ValueError):
+        MinHashConfig(bands=0)
+    with pytest.raises(ValueError):
+        MinHashConfig(bandz=3)
