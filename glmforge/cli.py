@@ -132,20 +132,12 @@ def status(
 
 
 def _resolve_ref(st, ref: str):
-    """`stage/key` or `stage` (its key in the latest run) -> Manifest."""
-    from glmforge.runner import RunRecord
+    from glmforge.artifacts import resolve
 
-    stage, _, key = ref.partition("/")
-    if not key:
-        record = RunRecord.load(st)
-        entry = next((s for s in (record.stages if record else []) if s["name"] == stage and s["key"]), None)
-        if entry is None:
-            _fail(f"no artifact of stage {stage!r} in the latest run; use STAGE/KEY (see `glmforge artifacts ls`)")
-        key = entry["key"]
-    m = st.manifest(stage, key)
-    if m is None:
-        _fail(f"no published artifact {stage}/{key} in {st.uri}")
-    return m
+    try:
+        return resolve(ref, st)[1]
+    except ValueError as e:
+        _fail(str(e))
 
 
 @artifacts_app.command("ls")
@@ -192,6 +184,35 @@ def artifacts_gc(store: Optional[str] = StoreOpt) -> None:
     """Delete half-published uploads that no manifest references."""
     for p in _store(store).gc():
         typer.echo(f"removed {p}")
+
+
+@app.command()
+def curate(
+    step: str = typer.Argument(..., help="quality, dedup-exact, dedup-minhash, dedup-semantic, issue-pr, decontaminate, tokenize, pack"),
+    input_path: str = typer.Option(..., "--input", "-i", help="JSONL, Parquet or a folder of them (local or s3://)"),
+    output: str = typer.Option(..., "--output", "-o", help="directory, s3:// prefix, or a .jsonl/.parquet file"),
+    set_: Optional[list[str]] = typer.Option(None, "--set", help="override within the step's section, e.g. --set threshold=0.8"),
+    with_: Optional[list[str]] = typer.Option(None, "--with", help="another input the step needs, PARENT=DIR (e.g. tokenize=out/tok)"),
+    preset: str = typer.Option("tiny", "--preset", help="preset whose section gives the step's defaults"),
+    seed: int = typer.Option(0, "--seed"),
+    text_field: str = typer.Option("text", "--text-field", help="input field holding the text"),
+    text_template: Optional[str] = typer.Option(None, "--text-template", help='build text from fields, e.g. "{title}\\n{body}"'),
+) -> None:
+    """Run one curation step on its own, outside the pipeline."""
+    from glmforge.curate import curate as run_curate
+
+    extra = {}
+    for item in with_ or []:
+        parent, sep, path = item.partition("=")
+        if not sep:
+            _fail(f"--with {item!r}: expected PARENT=DIR")
+        extra[parent] = path
+    try:
+        result = run_curate(step, input_path, output, list(set_ or []), extra, preset=preset, seed=seed,
+                            text_field=text_field, text_template=text_template)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    typer.echo(json.dumps(result, indent=2, sort_keys=True, default=str))
 
 
 @app.command()

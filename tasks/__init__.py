@@ -5,3 +5,5 @@ import os
 # analytics only add noise. Set before prefect is imported anywhere.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# Library code logs to the "glmforge" logger (it does not import Prefect); show it in Prefect runs.
+os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "glmforge")

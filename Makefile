@@ -1,0 +1,28 @@
+# `make demo` sets up .venv and runs the tiny pipeline; `make test` runs the test suite.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export DS_ACCELERATOR := cpu
+
+.PHONY: setup demo test bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: requirements-cpu.txt requirements-dev.txt pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-cpu.txt -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $@
+
+demo: setup
+	$(VENV)/bin/glmforge run --preset tiny
+	$(VENV)/bin/glmforge status
+
+test: setup
+	$(PY) -m pytest -q -ra
+
+clean:
+	rm -rf .glmforge
