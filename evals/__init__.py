@@ -1,0 +1,1 @@
+"""Evaluations that need a model: synthetic long-context retrieval (long_context)."""
