@@ -423,11 +423,11 @@ def parse_assistant(text: str, tools: Sequence[dict] | None = None) -> ParseResu
     if k < len(pieces) and pieces[k] == (True, THINK):
         end = next((j for j in range(k + 1, len(pieces)) if pieces[j] == (True, END_THINK)), None)
         if end is None:
-            errors.append(f"unterminated {THINK}: the rest is taken as reasoning")
-            reasoning = _plain(pieces[k + 1:], errors, "reasoning")
-            return ParseResult(Message("assistant", reasoning=reasoning), tuple(errors), stop)
-        reasoning = _plain(pieces[k + 1:end], errors, "reasoning")
-        k = end + 1
+            # Reasoning runs to the first tool call (then parsed as usual) or to the end.
+            errors.append(f"unterminated {THINK}: reasoning taken up to the first {TOOL_CALL} or the end")
+            reasoning, k = _plain(pieces[k + 1:first_call], errors, "reasoning"), first_call
+        else:
+            reasoning, k = _plain(pieces[k + 1:end], errors, "reasoning"), end + 1
     elif (True, END_THINK) in pieces[:first_call]:
         end = pieces.index((True, END_THINK))
         errors.append(f"{END_THINK} without {THINK}: the text before it is taken as reasoning")

@@ -1,0 +1,31 @@
+import pytest
+import torch
+
+from model.config import tiny
+from model.model import GLMModel
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny ops on a shared 2-core machine: one thread avoids oversubscription stalls.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def small_model(seed: int = 0, **overrides) -> GLMModel:
+    """tiny() cut to 2 layers (one dense, one MoE) + MTP depth 1, vocab 512: every module kind
+    QAT touches, in well under a second per forward."""
+    torch.manual_seed(seed)
+    return GLMModel(tiny().replace(vocab_size=512, num_layers=2, mtp_depth=1, **overrides))
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from data_processing.tokenizer import train_tokenizer
+
+    texts = ["What is the weather in Paris today? It is sunny and 20 degrees.",
+             "def add(a, b):\n    return a + b\n", "Let me think step by step about the problem.",
+             '{"city": "Paris", "days": 3, "unit": "celsius"}', "Thanks! You're welcome."] * 20
+    return train_tokenizer(texts, vocab_size=400, min_frequency=2)
