@@ -1,0 +1,117 @@
+"""DSA vs dense attention inside a whole tiny GLMModel, at long-context lengths, on CPU.
+
+Where bench/attention.py times the attention kernels alone, this times what the long-context
+evaluation and training actually run: one GLMModel forward + backward of the LM loss at each
+length, with the same weights in two modes:
+- dense: dense_attention=True, every DSA layer attends to all causal keys (indexer off);
+- DSA:   dense_attention=False, the lightning indexer scores every key, deterministic top-k
+         picks index_topk of them, and sparse attention reads only those.
+Also the forward alone (what greedy evaluation's prefill costs).
+
+Each (mode, length) runs in a fresh subprocess. Memory is that process's resident-set
+high-water mark (getrusage ru_maxrss) minus its resident set just before the measured passes,
+after the model and inputs exist: "extra memory the pass needs".
+
+    python bench/long_context.py                          # 1K .. 8K, tiny preset, top-k 64
+    python bench/long_context.py --lengths 1024 2048 --topk 256
+"""
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB on Linux
+
+
+def measure(mode: str, length: int, args) -> dict:
+    """Forward, then forward + backward, of `mode` at `length`, in this (fresh) process."""
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from model.config import preset
+    from model.model import GLMModel
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    # MTP off: its block would add one more DSA layer per step and blur the comparison.
+    cfg = preset(args.preset).replace(mtp_depth=0, index_topk=args.topk,
+                                      max_position_embeddings=max(length, 2048),
+                                      dense_attention=(mode == "dense"))
+    model = GLMModel(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, length + 1))
+    x, y = ids[:, :-1], ids[:, 1:]
+    base = _rss_mb()
+
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model(x)
+    forward_s = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    out = model(x, labels=y)
+    out.loss.backward()
+    train_s = time.perf_counter() - t0
+    return {"mode": mode, "length": length, "forward_s": forward_s, "train_s": train_s,
+            "peak_extra_mb": _peak_rss_mb() - base}
+
+
+def run_in_subprocess(mode: str, length: int, argv: list[str]) -> dict:
+    cmd = [sys.executable, __file__, "--one", mode, "--lengths", str(length), *argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{mode} at {length} failed:\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--topk", type=int, default=64, help="index_topk (the tiny preset's)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--one", choices=["dense", "dsa"], help=argparse.SUPPRESS)
+    args = p.parse_args()
+
+    if args.one:                                              # child: one measurement
+        print(json.dumps(measure(args.one, args.lengths[0], args)))
+        return
+
+    passthrough = list(sys.argv[1:])
+    if "--lengths" in passthrough:                            # drop the parent's length list
+        i = j = passthrough.index("--lengths")
+        j += 1
+        while j < len(passthrough) and not passthrough[j].startswith("--"):
+            j += 1
+        passthrough = passthrough[:i] + passthrough[j:]
+
+    print(f"GLMModel preset {args.preset}, top-k {args.topk}, batch {args.batch}, {args.threads} thread(s); "
+          "fwd = forward (no grad); train = forward + backward of the LM loss; "
+          "memory = peak RSS above model + inputs")
+    print(f"{'length':>7} {'dense fwd':>10} {'DSA fwd':>8} {'fwd x':>6} {'dense train':>12} {'DSA train':>10} "
+          f"{'train x':>8} {'dense MB':>9} {'DSA MB':>8} {'DSA/dense mem':>14}")
+    for length in args.lengths:
+        dn = run_in_subprocess("dense", length, passthrough)
+        ds = run_in_subprocess("dsa", length, passthrough)
+        print(f"{length:>7} {dn['forward_s']:>10.2f} {ds['forward_s']:>8.2f} "
+              f"{dn['forward_s'] / ds['forward_s']:>5.2f}x {dn['train_s']:>12.2f} {ds['train_s']:>10.2f} "
+              f"{dn['train_s'] / ds['train_s']:>7.2f}x {dn['peak_extra_mb']:>9.0f} {ds['peak_extra_mb']:>8.0f} "
+              f"{ds['peak_extra_mb'] / max(dn['peak_extra_mb'], 1):>13.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
