@@ -1,0 +1,242 @@
+"""Curation throughput: quality scoring, MinHash signatures and LSH, beside datatrove's MinHash.
+
+Documents/s per core on one corpus of real documents (Python standard library sources, man
+pages when present, samples/: GSM8K, Tiny Shakespeare, MBPP, GitHub issues), with planted
+near-duplicates (1% of the words of 1,000 documents replaced) to measure recall. Every
+measurement runs in one process on one core; datatrove runs with tasks=1, workers=1.
+
+datatrove lives in its own environment (it pins xxhash<4 and pulls spaCy), never in the
+project's. Once:
+
+    python3 -m venv /tmp/bench-venv
+    /tmp/bench-venv/bin/pip install -r bench/requirements-curation.txt
+
+Then, from the repository root, with the project's environment:
+
+    .venv/bin/python bench/curation.py --datatrove-python /tmp/bench-venv/bin/python
+
+The script re-runs itself under that interpreter (`--datatrove-worker`) for the datatrove part
+and compares both tools' removal sets. Without --datatrove-python the datatrove rows are skipped.
+Not run by the tests.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Corpus
+def load_corpus(max_docs: int, seed: int = 0) -> list[tuple[str, str]]:
+    """(id, text) of real documents, at least 200 characters each, in a seeded order."""
+    import sysconfig
+
+    docs: list[tuple[str, str]] = []
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for p in sorted(stdlib.rglob("*.py")):
+        t = p.read_text(encoding="utf-8", errors="replace")
+        docs.append((f"stdlib/{p.relative_to(stdlib)}", t))
+    man = Path("/usr/share/man")
+    for p in sorted(man.glob("man[1-8]/*.gz")):  # English sections only
+        try:
+            docs.append((f"man/{p.name}", gzip.decompress(p.read_bytes()).decode("utf-8", "replace")))
+        except (OSError, EOFError):
+            continue
+    samples = REPO / "samples"
+    for i, line in enumerate((samples / "gsm8k" / "train.jsonl").read_text().splitlines()):
+        r = json.loads(line)
+        docs.append((f"gsm8k/{i}", r["question"] + "\n" + r["answer"]))
+    for i, par in enumerate((samples / "tinyshakespeare" / "input.txt").read_text().split("\n\n")):
+        docs.append((f"shakespeare/{i}", par))
+    for i, line in enumerate((samples / "mbpp" / "mbpp.jsonl").read_text().splitlines()):
+        r = json.loads(line)
+        docs.append((f"mbpp/{i}", r["text"] + "\n" + r["code"]))
+    for line in (samples / "github_issues" / "hf_datasets_issues_5634-6249.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        docs.append((f"hf-issue/{r['number']}", f"{r['title']}\n{r.get('body') or ''}"))
+    docs = [(i, t) for i, t in docs if len(t) >= 200]
+    random.Random(seed).shuffle(docs)
+    return docs[:max_docs]
+
+
+def plant(docs: list[tuple[str, str]], n: int, rate: float, seed: int = 1):
+    """n near-duplicates: a `rate` share of the words of a document replaced."""
+    rng = random.Random(seed)
+    pool = [d for d in docs if len(d[1].split()) >= 100]
+    pairs, out = [], []
+    for k, (i, t) in enumerate(rng.sample(pool, n)):
+        w = t.split()
+        for _ in range(max(1, int(len(w) * rate))):
+            w[rng.randrange(len(w))] = rng.choice(["alpha", "beta", "gamma", "delta"])
+        pid = f"planted/{k}"
+        out.append((pid, " ".join(w)))
+        pairs.append((i, pid))
+    return docs + out, pairs
+
+
+def recall(pairs, removed: set[str]) -> float:
+    return sum((a in removed) != (b in removed) or (a in removed and b in removed) for a, b in pairs) / len(pairs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ours
+def bench_ours(docs, pairs) -> dict:
+    import numpy as np
+
+    sys.path.insert(0, str(REPO))
+    from data_processing import minhash
+    from data_processing.quality import QualityClassifier, train_classifier, tiny_defaults
+
+    texts = [t for _, t in docs]
+    ids = [i for i, _ in docs]
+    res = {}
+
+    cfg = minhash.MinHashConfig()
+    t0 = time.perf_counter()
+    sigs = minhash.text_signatures(texts, cfg)
+    t_sig = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    roots, stats = minhash.cluster(sigs, cfg)
+    keep = minhash.choose_kept(roots, ids, [0.0] * len(ids))
+    t_lsh = time.perf_counter() - t0
+    removed = {ids[k] for k in np.flatnonzero(~keep)}
+    res["numpy"] = {"sig_s": t_sig, "lsh_s": t_lsh, "removed": removed, "recall": recall(pairs, removed)}
+    # datatrove keeps every band collision; the same rule here (no Jaccard verification)
+    raw = minhash.MinHashConfig(verify_threshold=None)
+    roots, _ = minhash.cluster(sigs, raw)
+    keep = minhash.choose_kept(roots, ids, [0.0] * len(ids))
+    removed = {ids[k] for k in np.flatnonzero(~keep)}
+    res["numpy_unverified"] = {"removed": removed, "recall": recall(pairs, removed)}
+
+    # plain datasketch: MinHash.bulk + in-memory MinHashLSH (same shingles), on a subset
+    sub = min(len(texts), 10_000)
+    dcfg = minhash.MinHashConfig(backend="datasketch")
+    t0 = time.perf_counter()
+    dsig = minhash.text_signatures(texts[:sub], dcfg)
+    t_sig = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    minhash.cluster(dsig, dcfg)
+    t_lsh = time.perf_counter() - t0
+    res["datasketch"] = {"sig_s": t_sig * len(texts) / sub, "lsh_s": t_lsh * len(texts) / sub, "subset": sub}
+
+    # quality scoring with the tiny preset's dclm classifier (training not timed)
+    with tempfile.TemporaryDirectory() as tmp:
+        clf, _ = train_classifier(tiny_defaults().classifiers[0], Path(tmp), seed=0, holdout=0.2)
+        t0 = time.perf_counter()
+        for s in range(0, len(texts), 1000):
+            clf.score(texts[s : s + 1000])
+        res["quality"] = {"score_s": time.perf_counter() - t0}
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# datatrove (runs under the bench interpreter)
+def datatrove_worker(data_dir: str, work: str) -> None:
+    from datatrove.executor import LocalPipelineExecutor
+    from datatrove.pipeline.dedup import MinhashDedupBuckets, MinhashDedupCluster, MinhashDedupFilter, MinhashDedupSignature
+    from datatrove.pipeline.dedup.minhash import MinhashConfig
+    from datatrove.pipeline.readers import JsonlReader
+    from datatrove.pipeline.writers import JsonlWriter
+
+    cfg = MinhashConfig()  # 5-grams, 14 buckets x 8 hashes
+    times = {}
+
+    def timed(name, executor):
+        t0 = time.perf_counter()
+        executor.run()
+        times[name] = time.perf_counter() - t0
+
+    log = f"{work}/logs"
+    timed("signatures", LocalPipelineExecutor(
+        pipeline=[JsonlReader(data_dir), MinhashDedupSignature(output_folder=f"{work}/sigs", config=cfg)],
+        tasks=1, workers=1, logging_dir=f"{log}/sigs"))
+    timed("buckets", LocalPipelineExecutor(
+        pipeline=[MinhashDedupBuckets(input_folder=f"{work}/sigs", output_folder=f"{work}/buckets", config=cfg)],
+        tasks=cfg.num_buckets, workers=1, logging_dir=f"{log}/buckets"))
+    timed("cluster", LocalPipelineExecutor(
+        pipeline=[MinhashDedupCluster(input_folder=f"{work}/buckets", output_folder=f"{work}/remove_ids", config=cfg)],
+        tasks=1, workers=1, logging_dir=f"{log}/cluster"))
+    timed("filter", LocalPipelineExecutor(
+        pipeline=[JsonlReader(data_dir), MinhashDedupFilter(input_folder=f"{work}/remove_ids",
+                  exclusion_writer=JsonlWriter(f"{work}/removed", compression=None)),
+                  JsonlWriter(f"{work}/kept", compression=None)],
+        tasks=1, workers=1, logging_dir=f"{log}/filter"))
+    removed = [json.loads(l)["id"] for p in sorted(Path(f"{work}/removed").glob("*.jsonl")) for l in p.read_text().splitlines()]
+    print(json.dumps({"times": times, "removed": removed}))
+
+
+def bench_datatrove(python: str, docs) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "data"
+        data.mkdir()
+        with open(data / "corpus.jsonl", "w") as f:
+            for i, t in docs:
+                f.write(json.dumps({"id": i, "text": t}) + "\n")
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        out = subprocess.run(
+            [python, __file__, "--datatrove-worker", str(data), str(Path(tmp) / "work")],
+            check=True, capture_output=True, text=True, env=env,
+        )
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"times": r["times"], "removed": set(r["removed"])}
+
+
+# ---------------------------------------------------------------------------------------------
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--max-docs", type=int, default=50_000)
+    ap.add_argument("--planted", type=int, default=1000)
+    ap.add_argument("--edit-rate", type=float, default=0.01)
+    ap.add_argument("--datatrove-python", default=None)
+    ap.add_argument("--datatrove-worker", nargs=2, metavar=("DATA", "WORK"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.datatrove_worker:
+        datatrove_worker(*args.datatrove_worker)
+        return
+
+    base = load_corpus(args.max_docs)
+    docs, pairs = plant(base, args.planted, args.edit_rate)
+    n = len(docs)
+    mb = sum(len(t.encode()) for _, t in docs) / 1e6
+    print(f"corpus: {n} documents ({len(base)} real + {len(pairs)} planted near-duplicates), {mb:.1f} MB, 1 core each")
+    ours = bench_ours(docs, pairs)
+    rows = []
+    np_ = ours["numpy"]
+    rows.append(("glmforge quality scoring (fastText)", n / ours["quality"]["score_s"], "-"))
+    rows.append(("glmforge MinHash signatures (numpy)", n / np_["sig_s"], "-"))
+    rows.append(("glmforge LSH + clusters (numpy)", n / np_["lsh_s"], "-"))
+    rows.append(("glmforge MinHash pipeline (sig + LSH)", n / (np_["sig_s"] + np_["lsh_s"]), f"{np_['recall']:.3f}"))
+    rows.append(("  same, without Jaccard verification", n / (np_["sig_s"] + np_["lsh_s"]), f"{ours['numpy_unverified']['recall']:.3f}"))
+    ds = ours["datasketch"]
+    rows.append((f"datasketch MinHash.bulk + MinHashLSH ({ds['subset']} docs)", n / (ds["sig_s"] + ds["lsh_s"]), "-"))
+    dt = None
+    if args.datatrove_python:
+        dt = bench_datatrove(args.datatrove_python, docs)
+        total = sum(dt["times"].values())
+        rows.append(("datatrove signatures", n / dt["times"]["signatures"], "-"))
+        rows.append(("datatrove MinHash pipeline (4 stages)", n / total, f"{recall(pairs, dt['removed']):.3f}"))
+    print(f"\n{'step':<50} {'docs/s/core':>12} {'recall':>8}")
+    for name, rate, rec in rows:
+        print(f"{name:<50} {rate:>12,.0f} {rec:>8}")
+    if dt is not None:
+        speedup = (n / (np_["sig_s"] + np_["lsh_s"])) / (n / sum(dt["times"].values()))
+        print(f"\nspeed-up over datatrove (whole MinHash pipeline, per core): {speedup:.1f}x")
+        b = dt["removed"]
+        for label, a in (("verified", np_["removed"]), ("unverified", ours["numpy_unverified"]["removed"])):
+            print(f"removed ({label}): glmforge {len(a)}, datatrove {len(b)}, both {len(a & b)}, only glmforge {len(a - b)}, "
+                  f"only datatrove {len(b - a)}, Jaccard {len(a & b) / max(1, len(a | b)):.3f}")
+        print("datatrove stage seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in dt["times"].items()))
+
+
+if __name__ == "__main__":  # required: datatrove's executor re-imports the script in workers
+    main()
