@@ -83,14 +83,14 @@ class MLA(nn.Module):
 
         # ---- indexer keys (cached like the latents) and selection ----
         ik = None
-        if self.indexer is not None:
+        sparse = self.kind == "dsa" and not want.dense
+        if self.indexer is not None and (sparse or want.indexer):
             # Detached inputs: the indexer learns only from its own loss, the trunk only from LM.
             with torch.set_grad_enabled(want.indexer and torch.is_grad_enabled()):
                 ik = self.indexer.keys(x.detach(), ctx.cos, ctx.sin)           # [B,T,Di]
         if cache is not None:
             c, k_rope, ik = cache.update(cache_layer, c, k_rope, ik)           # now [B,S,*]
         allowed = ctx.mask(self.kind)                                          # [B,T,S]
-        sparse = self.kind == "dsa" and not want.dense
         idx_out, indices = None, None
         if self.indexer is not None and (sparse or want.indexer):
             with torch.set_grad_enabled(want.indexer and torch.is_grad_enabled()):

@@ -155,8 +155,8 @@ class GLMModel(nn.Module):
             return out
 
         lm = _cross_entropy(logits, labels)
-        balance = cfg.seq_balance_alpha * sum(s["balance"] for s in stats_all) if stats_all \
-            else logits.new_zeros(())
+        terms = [s["balance"] for s in stats_all if s["balance"] is not None]
+        balance = cfg.seq_balance_alpha * sum(terms) if terms else logits.new_zeros(())
         losses = {"lm": lm, "balance": balance}
         run_mtp = (self.mtp is not None) if compute_mtp is None else (compute_mtp and self.mtp is not None)
         if run_mtp:
@@ -194,7 +194,7 @@ class GLMModel(nn.Module):
         h_prev [B,T,D], next_ids [B,T] (x_{t+k}), position_ids [B,T] -> (h [B,T,D], logits [B,T,V])."""
         B, T = next_ids.shape
         ctx, mask = self.context(B, T, next_ids.device, position_ids=position_ids, cache=cache)
-        h, _, _, _ = self.mtp(h_prev, self.embed_tokens(next_ids), ctx, cache, Want(), mask)
+        h, _, _, _ = self.mtp(h_prev, self.embed_tokens(next_ids), ctx, cache, Want(dense=self.config.dense_attention), mask)
         return h, self.lm_head(self.mtp.shared_head.norm(h))
 
 

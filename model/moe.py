@@ -60,7 +60,10 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, D, I))
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
-        """x [N,D], chosen/gates [N,K] -> [N,D]. Loops over experts that got tokens."""
+        """x [N,D], chosen/gates [N,K] -> [N,D]. Loops over experts that got tokens; for a
+        handful of tokens (decoding) runs all experts at once instead."""
+        if x.shape[0] * self.gate_up_proj.shape[0] <= self.dense_max:
+            return self._all_experts(x, chosen, gates)
         y = torch.zeros_like(x)
         for e in chosen.unique().tolist():
             tok, slot = torch.where(chosen == e)
@@ -68,6 +71,19 @@ class Experts(nn.Module):
             h = F.linear(F.silu(gate) * up, self.down_proj[e]) * gates[tok, slot, None]
             y.index_add_(0, tok, h.to(y.dtype))
         return y
+
+    dense_max = 64  # tokens x experts up to which computing every expert beats the loop
+
+    def _all_experts(self, x: torch.Tensor, chosen: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        # Decoding sees a few tokens: run them through every expert (3 einsums, no gather, no
+        # per-expert Python loop) and weight the outputs, zero for experts not chosen.
+        w = torch.zeros(x.shape[0], self.gate_up_proj.shape[0], dtype=gates.dtype, device=x.device)
+        w.scatter_(1, chosen, gates)                                              # [N,E]
+        E, I2, D = self.gate_up_proj.shape
+        gate, up = F.linear(x, self.gate_up_proj.view(E * I2, D)).view(-1, E, I2).chunk(2, dim=-1)
+        a = (F.silu(gate) * up).transpose(0, 1)                                  # [E,N,I]
+        h = torch.bmm(a, self.down_proj.transpose(1, 2))                         # [E,N,D]
+        return (w.t().to(h.dtype)[..., None] * h).sum(0)
 
 
 class MoE(nn.Module):
@@ -85,20 +101,24 @@ class MoE(nn.Module):
         """x [B,T,D], token_mask [B,T] bool (False = padding) -> (y [B,T,D], stats).
 
         stats: "load" [E] tokens per expert in this batch, "balance" the sequence-wise balance
-        term sum_i f_i P_i averaged over sequences (times alpha by the caller).
+        term sum_i f_i P_i averaged over sequences (times alpha by the caller; None when
+        gradients are off).
         """
         B, T, D = x.shape
         s, chosen, g = self.gate(x.reshape(-1, D))
         y = self.experts(x.reshape(-1, D), chosen, g).view(B, T, D)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
-        m = torch.ones(B, T, dtype=torch.bool, device=x.device) if token_mask is None else token_mask
         with torch.no_grad():
-            hits = F.one_hot(chosen, self.n_experts).sum(1).view(B, T, -1).float() * m[..., None]  # [B,T,E]
-            load = hits.sum((0, 1))
+            routed = chosen if token_mask is None else chosen[token_mask.reshape(-1)]
+            load = torch.bincount(routed.reshape(-1), minlength=self.n_experts).float()
             if self.training:
                 self.load_since_update += load
+        if not torch.is_grad_enabled():   # inference: the balance term is a training loss
+            return y, {"load": load, "balance": None}
         # DeepSeek-V3 eq. 17-20: f_i = E/(K*T) * count_i, P_i = mean_t s_i / sum_j s_j, per sequence.
+        m = torch.ones(B, T, dtype=torch.bool, device=x.device) if token_mask is None else token_mask
+        hits = F.one_hot(chosen, self.n_experts).sum(1).view(B, T, -1).float() * m[..., None]  # [B,T,E]
         n_tok = m.sum(1).clamp(min=1).float()                                  # [B]
         f = hits.sum(1) * self.n_experts / (self.k * n_tok[:, None])           # [B,E]
         p = ((s / s.sum(-1, keepdim=True)).view(B, T, -1) * m[..., None]).sum(1) / n_tok[:, None]
