@@ -1,0 +1,137 @@
+"""Checkpoints in the stage's checkpoint directory: DeepSpeed state + JSON meta + a marker.
+
+Layout (root = workdir.checkpoint):
+    step_00000040/            engine.save_checkpoint(root, tag): model, per-rank optimizer shards
+        meta.json             step, tokens seen, data-loader state, RNG states of every rank, config
+        COMPLETE              written last: {"step": 40, "files": {relative path: sha256}}
+    latest                    the tag of the newest complete checkpoint, replaced atomically
+                              (tmp file + rename) only after COMPLETE exists
+
+A checkpoint counts only with its COMPLETE marker and matching digests. A crash while saving
+leaves a directory without the marker (or newer than `latest`); a damaged file changes a digest.
+`select_resume` walks from the newest checkpoint down, warns about and removes every broken one,
+and returns the newest good one, so a retried task never starts from a partial checkpoint.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger("glmforge")
+
+LATEST, MARKER, META = "latest", "COMPLETE", "meta.json"
+_TAG = re.compile(r"^step_(\d{8})$")
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def step_of(tag: str) -> int:
+    m = _TAG.match(tag)
+    assert m, f"not a checkpoint tag: {tag}"
+    return int(m.group(1))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def tags(root: Path) -> list[str]:
+    """Checkpoint directories under root, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and _TAG.match(p.name))
+
+
+def finalize(root: Path, tag: str, meta: dict[str, Any], keep_last: int) -> None:
+    """Rank 0, after every rank's engine.save_checkpoint returned: meta, digests and marker,
+    then the `latest` pointer, then pruning to keep_last complete checkpoints."""
+    d = Path(root) / tag
+    _atomic_write(d / META, json.dumps(meta, indent=1))
+    files = {p.relative_to(d).as_posix(): _sha256(p) for p in sorted(d.rglob("*"))
+             if p.is_file() and p.name != MARKER}
+    _atomic_write(d / MARKER, json.dumps({"step": meta["step"], "files": files}, indent=1))
+    _atomic_write(Path(root) / LATEST, tag)
+    complete = [t for t in tags(root) if (Path(root) / t / MARKER).exists()]
+    for old in complete[:-keep_last]:
+        shutil.rmtree(Path(root) / old, ignore_errors=True)
+
+
+def verify(root: Path, tag: str) -> str | None:
+    """None when the checkpoint is complete and intact, else what is wrong with it."""
+    d = Path(root) / tag
+    if not (d / MARKER).exists():
+        return "no COMPLETE marker (partial: the save was interrupted)"
+    try:
+        listed = json.loads((d / MARKER).read_text())["files"]
+    except (ValueError, KeyError) as e:
+        return f"unreadable COMPLETE marker ({e})"
+    on_disk = {p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file() and p.name != MARKER}
+    if set(listed) != on_disk:
+        return f"files differ from the marker (missing {sorted(set(listed) - on_disk)}, extra {sorted(on_disk - set(listed))})"
+    for rel, digest in listed.items():
+        if _sha256(d / rel) != digest:
+            return f"digest mismatch in {rel}"
+    return None
+
+
+def select_resume(root: Path) -> tuple[str, dict[str, Any]] | None:
+    """The newest intact checkpoint (tag, meta), or None to start fresh. Broken checkpoints
+    newer than it are logged as warnings and removed; `latest` is rewritten to the choice."""
+    root = Path(root)
+    for tag in reversed(tags(root)):
+        problem = verify(root, tag)
+        if problem is None:
+            if (root / LATEST).exists() and (root / LATEST).read_text().strip() != tag:
+                _atomic_write(root / LATEST, tag)
+            return tag, json.loads((root / tag / META).read_text())
+        log.warning("checkpoint %s in %s is unusable: %s; removing it and falling back to the previous one",
+                    tag, root, problem)
+        shutil.rmtree(root / tag, ignore_errors=True)
+    if (root / LATEST).exists():
+        (root / LATEST).unlink()
+    return None
+
+
+# ---------------------------------------------------------------- RNG states (JSON-safe)
+def rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+    n = state["numpy"]
+    np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    p = state["python"]
+    random.setstate((p[0], tuple(p[1]), p[2]))

@@ -1,0 +1,175 @@
+"""Typed config of the training stages: one frozen pydantic model per section.
+
+`TrainConfig` holds what every training stage shares (batch, optimizer, schedule, DeepSpeed,
+launch, checkpoints); `PretrainConfig` adds the model shape, `ContextConfig` the context length,
+RoPE base and data mix of one mid-training phase.
+
+Which DeepSpeed / ZeRO / optimizer combinations work (DeepSpeed 0.19.8, checked by hand and in
+tests/training), and `TrainConfig._check` refuses the others with a message saying why:
+
+    optimizer        ZeRO   precision             notes
+    muon, muon_split 0      fp32, bf16 (autocast)  training.optim.MuonWithAdamW as a client optimizer:
+                                                   the GLM-5 recipe (Moonlight scaling, Muon Split)
+    deepspeed_muon   0,1,2  fp32, bf16             DeepSpeed's own "Muon" (MuonWithAuxAdam):
+                                                   orthogonalises whole matrices inside ZeRO 1/2,
+                                                   per-head for MLA q_b/kv_b (per_head_muon), but
+                                                   Keller Jordan's scaling sqrt(max(1, A/B)), not
+                                                   Moonlight's 0.2 sqrt(max(A, B))
+    adamw            0,1,2  fp32, bf16             torch AdamW (no JIT-compiled op)
+
+ZeRO 1/2 hand a client optimizer flat 1-D partitions, which Muon cannot orthogonalise;
+DeepSpeed's bf16 mode wraps it in an optimizer that flattens on GPU; so the client Muon runs at
+ZeRO 0 and gets bf16 through `torch_autocast` (fp32 master weights, bf16 matmuls). ZeRO 3 is
+refused: DeepSpeed's Muon rejects it ("Muon and reduce scatter cannot be used together") and the
+export here reads full parameters on rank 0.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Optimizer = Literal["muon", "muon_split", "deepspeed_muon", "adamw"]
+CLIENT_MUON = ("muon", "muon_split")
+
+
+class LaunchConfig(BaseModel):
+    """How the ranks are started. One node: torchrun. Several: a hostfile (DeepSpeed launcher,
+    pdsh/ssh) or torchrun on every node with the same master address and port."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    launcher: Literal["torchrun", "deepspeed"] = "torchrun"
+    nproc_per_node: int = Field(1, ge=1, description="ranks per node (GPUs per node on a cluster)")
+    nnodes: int = Field(1, ge=1)
+    node_rank: int = Field(0, ge=0, description="torchrun multi-node: this node's rank")
+    hostfile: str | None = Field(None, description="DeepSpeed launcher: 'host slots=N' per line")
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = Field(None, ge=1, le=65535, description="None: pick a free port")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl on CUDA, gloo on CPU")
+
+    @model_validator(mode="after")
+    def _check(self) -> "LaunchConfig":
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} must be < nnodes={self.nnodes}")
+        if self.hostfile and self.launcher != "deepspeed":
+            raise ValueError("a hostfile needs launcher: deepspeed (torchrun takes nnodes/node_rank/master_addr)")
+        if self.nnodes > 1 and self.launcher == "torchrun" and self.master_addr in ("127.0.0.1", "localhost"):
+            raise ValueError("torchrun with nnodes > 1 needs master_addr set to node 0's reachable address")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("nnodes > 1 needs an explicit master_port (every node must use the same one)")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+class TrainConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # ---- batch: global batch = micro_batch_size * grad_accum * world_size sequences
+    micro_batch_size: int = Field(4, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    # ---- length: at most max_steps, and at most token_budget tokens when one is given
+    max_steps: int = Field(1000, ge=1)
+    token_budget: int | None = Field(None, ge=1, description="tokens to train on (all ranks)")
+
+    # ---- optimizer
+    optimizer: Optimizer = "muon_split"
+    lr: float = Field(3e-3, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    momentum: float = Field(0.95, ge=0, lt=1)
+    grad_clip: float = Field(1.0, ge=0, description="global-norm clipping; 0 = off")
+
+    # ---- LR schedule: linear warm-up, then cosine to min_lr_ratio*lr, or WSD (stable, then a
+    # linear decay over the last decay_fraction of the steps)
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    decay_fraction: float = Field(0.2, gt=0, le=1)
+
+    # ---- DeepSpeed
+    zero_stage: Literal[0, 1, 2] = 0
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="fp32 on CPU, bf16 on GPU")
+    launch: LaunchConfig = LaunchConfig()
+
+    # ---- checkpoints, evaluation, logging
+    checkpoint_every: int = Field(50, ge=1, description="steps between checkpoints (and at the end)")
+    keep_last: int = Field(2, ge=1, description="complete checkpoints kept")
+    eval_sequences: int = Field(64, ge=1, description="held-out sequences scored before and after")
+    deterministic: bool = Field(True, description="torch deterministic algorithms (bit-exact resume on CPU)")
+    seed_offset: int = Field(0, ge=0, description="added to the run seed (model init, data order)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainConfig":
+        if self.optimizer in CLIENT_MUON and self.zero_stage != 0:
+            raise ValueError(
+                f"optimizer {self.optimizer!r} (training.optim Muon) needs zero_stage 0: ZeRO "
+                f"{self.zero_stage} hands the optimizer flattened 1-D partitions, which Muon cannot "
+                "orthogonalise. Use optimizer 'deepspeed_muon' (DeepSpeed's Muon, ZeRO 1/2) or 'adamw'."
+            )
+        return self
+
+    def steps_for(self, seq_len: int) -> int:
+        """Optimizer steps to run for sequences of seq_len tokens."""
+        per_step = self.micro_batch_size * self.grad_accum * self.launch.world_size * seq_len
+        if self.token_budget is None:
+            return self.max_steps
+        return min(self.max_steps, max(1, self.token_budget // per_step))
+
+
+class PretrainConfig(TrainConfig):
+    """Pretraining on the `pack` stage's sequences. vocab_size comes from the tokenizer: the
+    model gets exactly the tokenizer's vocabulary unless model_overrides sets a larger one
+    (padding to a multiple of 64 is a common choice); a smaller one is an error."""
+
+    model_preset: Literal["tiny", "small", "glm5"] = "tiny"
+    model_overrides: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_model(self) -> "PretrainConfig":
+        from model.config import preset
+        from model.hf import to_hf_config
+
+        try:
+            model = preset(self.model_preset, **self.model_overrides)
+        except Exception as e:  # pydantic's ValidationError or the preset's own ValueError
+            raise ValueError(f"model_overrides do not give a valid {self.model_preset} model: {e}") from None
+        # The stage publishes a Hugging Face export; find out now, not after training.
+        to_hf_config(model)
+        return self
+
+
+class MixConfig(BaseModel):
+    """Sampling weights of the long-context mix: a document is repeated weight times (floor,
+    plus one more with probability frac), weight = source weight (default_weight when its source
+    is not listed) times long_weight when it has at least long_chars characters."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    sources: dict[str, float] = Field(default_factory=lambda: {"issue-pr": 3.0, "code": 2.0, "stdlib": 2.0})
+    default_weight: float = Field(1.0, ge=0)
+    long_chars: int = Field(8000, ge=1)
+    long_weight: float = Field(2.0, ge=0)
+    min_chars: int = Field(0, ge=0, description="documents shorter than this are left out")
+    repo_level: bool = Field(True, description="concatenate a repository's files into one document")
+
+    @model_validator(mode="after")
+    def _check(self) -> "MixConfig":
+        bad = {k: v for k, v in self.sources.items() if v < 0}
+        if bad:
+            raise ValueError(f"source weights must be >= 0, got {bad}")
+        return self
+
+
+class ContextConfig(TrainConfig):
+    """One context-extension phase: continue from the previous stage's weights on longer
+    sequences packed here from the curated documents, with a larger RoPE base."""
+
+    seq_len: int = Field(1024, ge=16)
+    rope_theta: float = Field(50000.0, gt=0)
+    mix: MixConfig = MixConfig()
+    val_fraction: float = Field(0.05, gt=0, lt=1)

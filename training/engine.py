@@ -1,0 +1,74 @@
+"""The DeepSpeed engine from a TrainConfig: config dict, optimizer, initialize.
+
+Optimizers (see training.config for which ZeRO stages and precisions each supports):
+  muon / muon_split  training.optim.build_optimizer (Muon or Muon Split + AdamW), handed to
+                     DeepSpeed as a client optimizer; bf16 through torch_autocast so the
+                     optimizer keeps seeing fp32 matrices of their real shapes.
+  deepspeed_muon     DeepSpeed's "Muon" optimizer type (per_head_muon: per-head Newton-Schulz
+                     for MLA q_b_proj / kv_b_proj), which runs Muon inside ZeRO 1/2.
+  adamw              DeepSpeed's "AdamW" type with torch_adam (no JIT-compiled fused kernel).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from training.config import CLIENT_MUON, TrainConfig
+from training.optim import build_optimizer
+
+
+def ds_config(cfg: TrainConfig, cuda: bool) -> dict[str, Any]:
+    if cfg.precision == "bf16" and not cuda:
+        raise ValueError("precision bf16 needs a CUDA device; use precision fp32 on CPU")
+    conf: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum,
+        "gradient_clipping": cfg.grad_clip,
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "steps_per_print": 2**31 - 1,  # we log ourselves
+        "wall_clock_breakdown": False,
+    }
+    if cfg.precision == "bf16":
+        if cfg.optimizer in CLIENT_MUON:
+            conf["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+        else:
+            conf["bf16"] = {"enabled": True}
+    common = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "betas": list(cfg.betas), "eps": cfg.eps}
+    if cfg.optimizer == "adamw":
+        conf["optimizer"] = {"type": "AdamW", "params": {**common, "torch_adam": True}}
+    elif cfg.optimizer == "deepspeed_muon":
+        conf["optimizer"] = {"type": "Muon", "params": {**common, "momentum": cfg.momentum,
+                                                        "per_head_muon": True, "torch_adam": True}}
+    return conf
+
+
+def _decay_groups(model: nn.Module) -> list[dict[str, Any]]:
+    """Weight decay on matrices only (norm gains, biases: none), as training.optim does."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_engine(model: nn.Module, cfg: TrainConfig, cuda: bool):
+    import deepspeed
+
+    conf = ds_config(cfg, cuda)
+    if cfg.optimizer in CLIENT_MUON:
+        opt = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas, eps=cfg.eps,
+                              muon_split=cfg.optimizer == "muon_split", momentum=cfg.momentum,
+                              num_heads=model.config.num_heads)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=conf)
+    else:
+        if cfg.optimizer == "deepspeed_muon" and not cuda:
+            # DeepSpeed's muon_update is torch.compile'd; on CPU inductor would JIT-compile C++
+            # kernels (minutes on a small machine). Eager is exact and fast enough here.
+            torch._dynamo.config.disable = True
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=_decay_groups(model), config=conf)
+    return engine
+
+
+def set_lr(engine, lr: float) -> None:
+    for group in engine.optimizer.param_groups:
+        group["lr"] = lr

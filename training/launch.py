@@ -1,0 +1,131 @@
+"""Starting the ranks, and the entry point each rank runs.
+
+Parent side (the stage's process): `run_ranks(spec, launch_cfg, spec_path, on_line)` writes the
+spec, starts `torchrun` (or the DeepSpeed launcher) on `python -m training.launch SPEC`, streams
+the ranks' output line by line into logging (logger "glmforge") and to `on_line`, and turns a
+failure into `TrainingFailed` naming the rank, its exit code and the last output lines, so the
+caller's retry policy retries and the retry resumes from the checkpoint.
+
+Rank side: `python -m training.launch SPEC` reads the spec and runs training.loop.train.
+
+Only rank 0 prints progress; every rank's traceback still reaches the stream through stderr.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable
+
+from training.config import LaunchConfig
+
+log = logging.getLogger("glmforge")
+REPO = Path(__file__).resolve().parent.parent
+TAIL_LINES = 200   # kept from the stream
+QUOTE_LINES = 25   # quoted in the error
+
+
+class TrainingFailed(RuntimeError):
+    """A rank (or the launcher) exited non-zero; the message names it and quotes the output."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(cfg: LaunchConfig, spec_path: Path, port: int) -> list[str]:
+    """The launcher command line for this config (same config on a laptop and a cluster)."""
+    if cfg.launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run",
+                f"--nproc_per_node={cfg.nproc_per_node}", f"--nnodes={cfg.nnodes}",
+                f"--node_rank={cfg.node_rank}", f"--master_addr={cfg.master_addr}",
+                f"--master_port={port}", "--max_restarts=0",
+                "-m", "training.launch", str(spec_path)]
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", f"--master_addr={cfg.master_addr}",
+           f"--master_port={port}", f"--num_gpus={cfg.nproc_per_node}"]
+    if cfg.hostfile:
+        cmd += [f"--hostfile={cfg.hostfile}", f"--num_nodes={cfg.nnodes}"]
+    return cmd + ["--module", "training.launch", str(spec_path)]
+
+
+def _failure(rc: int, tail: deque) -> str:
+    """What failed, from torchrun's error summary ("Root Cause ... rank : 1 (local_rank: 1)",
+    "exitcode : -9"), and the ranks' last lines before torchrun's own report."""
+    lines = list(tail)
+    text = "\n".join(lines)
+    cause = text[text.find("Root Cause"):] if "Root Cause" in text else text
+    ranks = re.findall(r"rank\s*:\s*(\d+)\s*\(local_rank", cause)
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", cause)
+    agent = next((i for i, ln in enumerate(lines) if "torch/distributed/elastic" in ln or
+                  "torch.distributed.elastic" in ln), len(lines))
+    quoted = lines[max(0, agent - QUOTE_LINES):agent] or lines[-QUOTE_LINES:]
+    if ranks:
+        code = int(codes[0]) if codes else rc
+        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        who = f"rank {ranks[0]} failed ({how})"
+    elif rc < 0:
+        who = f"the launcher was killed by signal {-rc}"
+    else:
+        who = f"the launcher exited with code {rc}"
+    return f"training failed: {who}; last output:\n" + "\n".join(quoted)
+
+
+def run_ranks(spec: dict[str, Any], cfg: LaunchConfig, spec_path: Path,
+              on_line: Callable[[str], None] = lambda line: None) -> None:
+    spec_path.write_text(json.dumps(spec, indent=1))
+    port = cfg.master_port or free_port()
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    import torch
+
+    if not torch.cuda.is_available():
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    cmd = command(cfg, spec_path, port)
+    log.info("launching %d rank(s): %s", cfg.world_size, " ".join(cmd))
+    tail: deque[str] = deque(maxlen=TAIL_LINES)
+    # Same process group as the stage: killing the stage's group kills the ranks with it.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=str(REPO), bufsize=1)
+    try:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.rstrip("\n")
+            tail.append(line)
+            on_line(line)
+        rc = proc.wait()
+    except BaseException:
+        # Interrupted (cancelled task, KeyboardInterrupt): do not leave ranks running.
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
+    if rc != 0:
+        raise TrainingFailed(_failure(rc, tail))
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 1:
+        raise SystemExit("usage: python -m training.launch SPEC.json")
+    from training.loop import train
+
+    train(json.loads(Path(argv[0]).read_text()))
+
+
+if __name__ == "__main__":
+    import warnings
+
+    # torch 2.13 warns on every ZeRO collective; the stream should carry training output.
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    main(sys.argv[1:])

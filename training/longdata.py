@@ -1,0 +1,68 @@
+"""Long-context data for a context-extension phase, packed from the curated documents.
+
+The mix favours what long contexts are for: repository-level code (a repository's files
+concatenated, data_processing.packing.repo_documents), issue-PR threads and long documents.
+Each document gets a sampling weight = its quality weight (from the quality stage, 1 if none)
+x the weight of its `source` (mix.sources, else mix.default_weight) x mix.long_weight when it
+has at least mix.long_chars characters; data_processing.packing.pack then repeats it by that
+weight, shuffles and packs seq_len windows (with a held-out split, never up-sampled).
+
+The packed data lives in the stage's checkpoint directory with a PACKED marker written last,
+so a retried stage reuses it instead of packing again.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from data_processing.common import iter_input_documents
+from data_processing.document import Document
+from data_processing.packing import PackConfig, pack, repo_documents
+from data_processing.tokenizer import load_tokenizer
+from training.config import MixConfig
+
+MARKER = "PACKED"
+
+
+def mix_weight(doc: Document, mix: MixConfig) -> float:
+    quality = float((doc.metadata.get("quality") or {}).get("weight", 1.0))
+    w = quality * mix.sources.get(doc.source, mix.default_weight)
+    return w * mix.long_weight if len(doc.text) >= mix.long_chars else w
+
+
+def pack_long(docs_dir: Path, tokenizer_dir: Path, out: Path, seq_len: int, mix: MixConfig,
+              val_fraction: float, seed: int) -> dict[str, Any]:
+    """Pack (once) into `out`; returns the packing meta plus the mix statistics."""
+    out = Path(out)
+    if (out / MARKER).exists():
+        return json.loads((out / MARKER).read_text())
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    docs = list(iter_input_documents(Path(docs_dir)))
+    if mix.repo_level:
+        docs = repo_documents(docs)
+    kept: list[Document] = []
+    by_source: dict[str, float] = {}
+    for d in docs:
+        if len(d.text) < mix.min_chars:
+            continue
+        w = mix_weight(d, mix)
+        if w <= 0:
+            continue
+        kept.append(Document(d.id, d.text, d.source, {**d.metadata, "quality": {"weight": w}}))
+        by_source[d.source] = by_source.get(d.source, 0.0) + w * len(d.text)
+    if len(kept) < 2:
+        raise ValueError(f"the long-context mix keeps {len(kept)} document(s) of {len(docs)}: "
+                         "lower mix.min_chars or raise the source weights")
+    total = sum(by_source.values())
+    meta = pack(kept, load_tokenizer(Path(tokenizer_dir)),
+                PackConfig(seq_len=seq_len, val_fraction=val_fraction, upsample=True, repo_level=False,
+                           fim_rate=0.0, seed=seed), out)
+    if meta["splits"]["val"]["sequences"] == 0:
+        raise ValueError("the long-context mix has no held-out sequences: raise val_fraction")
+    meta["mix_chars_share"] = {s: round(v / total, 4) for s, v in sorted(by_source.items())}
+    meta["documents_in_mix"] = len(kept)
+    (out / MARKER).write_text(json.dumps(meta))
+    return meta

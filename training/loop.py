@@ -1,0 +1,223 @@
+"""The training loop one rank runs (started by training.launch under torchrun / deepspeed).
+
+The spec (a JSON file written by the stage) says everything: train config, model config,
+initial weights, packed data, checkpoint and output directories, the checkpoint to resume.
+
+    build model -> DeepSpeed engine -> resume (engine state, data position, RNG) or score the
+    held-out split -> steps (lr from the schedule, grad_accum micro-batches, router-bias
+    update) with a checkpoint every checkpoint_every steps -> held-out score -> export.
+
+Rank 0 prints two kinds of protocol lines the launching stage reacts to:
+    GLMFORGE_METRIC {...}       one per step (also appended to metrics.jsonl)
+    GLMFORGE_CHECKPOINT {...}   after a checkpoint is complete (the stage persists it)
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from data_processing.packing import PackedDataset
+from model.config import ModelConfig
+from model.hf import load_state, save_pretrained, save_state
+from model.model import GLMModel, moe_layers
+from model.moe import update_router_bias
+from training import checkpoint, metrics
+from training.config import TrainConfig
+from training.data import PackedLoader, eval_batches
+from training.engine import build_engine, set_lr
+from training.schedule import lr_factor
+
+METRIC, CHECKPOINT = "GLMFORGE_METRIC", "GLMFORGE_CHECKPOINT"
+
+
+def _dist():
+    import deepspeed.comm as dist
+
+    return dist
+
+
+def _all_reduce_sum(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    if _dist().get_world_size() > 1:
+        _dist().all_reduce(t)
+    return t.tolist()
+
+
+def _say(kind: str, payload: dict[str, Any]) -> None:
+    print(f"{kind} {json.dumps(payload)}", flush=True)
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+@torch.no_grad()
+def evaluate(model: GLMModel, dataset: PackedDataset, micro_batch_size: int, max_sequences: int,
+             rank: int, world: int) -> dict[str, float]:
+    """Held-out next-token loss (lm only, token-weighted) and perplexity, over all ranks."""
+    was_training = model.training
+    model.eval()
+    nll, count = 0.0, 0
+    for b in eval_batches(dataset, micro_batch_size, max_sequences, rank, world):
+        out = model(b["input_ids"], labels=b["labels"], doc_ids=b["doc_ids"], compute_mtp=False)
+        n = int((b["labels"] != -100).sum())
+        nll += out.losses["lm"].item() * n
+        count += n
+    model.train(was_training)
+    nll, count = _all_reduce_sum([nll, float(count)])
+    assert count > 0, "held-out split has no scored tokens"
+    loss = nll / count
+    return {"loss": loss, "ppl": math.exp(min(loss, 50.0))}
+
+
+@torch.no_grad()
+def _grad_norm(model: torch.nn.Module) -> float:
+    grads = [p.grad.float() for p in model.parameters() if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+
+
+def _sync_router_load(model: GLMModel) -> None:
+    """Sum each MoE layer's expert load over ranks, so every rank makes the same bias update
+    (the bias is a buffer: nothing else keeps it equal across ranks)."""
+    layers = moe_layers(model)
+    if layers and _dist().get_world_size() > 1:
+        flat = torch.cat([m.load_since_update for m in layers])
+        _dist().all_reduce(flat)
+        for m, part in zip(layers, flat.split([m.load_since_update.numel() for m in layers])):
+            m.load_since_update.copy_(part)
+
+
+def train(spec: dict[str, Any]) -> None:
+    cfg = TrainConfig.model_validate(spec["train"])
+    model_cfg = ModelConfig.model_validate(spec["model"])
+    ckpt_dir, out_dir = Path(spec["checkpoint_dir"]), Path(spec["out_dir"])
+    total = int(spec["total_steps"])
+    cuda = torch.cuda.is_available()
+
+    import deepspeed
+
+    backend = cfg.launch.backend if cfg.launch.backend != "auto" else ("nccl" if cuda else "gloo")
+    deepspeed.init_distributed(dist_backend=backend)
+    dist = _dist()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    seed_everything(int(spec["seed"]), cfg.deterministic)
+
+    model = GLMModel(model_cfg)
+    if spec.get("init_weights"):
+        # Continue from the previous stage: same shapes, new config (RoPE base, max positions);
+        # inv_freq is not in the state dict, so the new rope_theta takes effect.
+        model.load_state_dict(load_state(spec["init_weights"]).state_dict(), strict=True)
+    engine = build_engine(model, cfg, cuda)
+    device = engine.device
+
+    train_ds = PackedDataset(spec["data_dir"], "train")
+    val_ds = PackedDataset(spec["data_dir"], "val")
+    loader = PackedLoader(train_ds, cfg.micro_batch_size, rank, world, seed=int(spec["seed"]))
+    seq_len = loader.seq_len
+    log_path = ckpt_dir / "metrics.jsonl"
+
+    step, tokens = 0, 0
+    if spec.get("resume"):
+        tag = spec["resume"]
+        meta = json.loads((ckpt_dir / tag / checkpoint.META).read_text())
+        if meta["world_size"] != world:
+            raise ValueError(f"checkpoint {tag} was written by {meta['world_size']} ranks, this run has {world}: "
+                             "DeepSpeed cannot re-partition it (convert it to a universal checkpoint first)")
+        engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False)
+        loader.load_state_dict(meta["loader"])
+        checkpoint.set_rng_state(meta["rng"][rank])
+        step, tokens, eval_before = meta["step"], meta["tokens"], meta["eval_before"]
+        if rank == 0:
+            print(f"resumed from {tag}: step {step}, {tokens} tokens", flush=True)
+    else:
+        eval_before = evaluate(engine.module, val_ds, cfg.micro_batch_size, cfg.eval_sequences, rank, world)
+        if rank == 0:
+            print(f"held-out before training: loss {eval_before['loss']:.4f} ppl {eval_before['ppl']:.2f}", flush=True)
+
+    gamma = model_cfg.bias_update_rate
+    tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * world * seq_len
+    engine.train()
+    while step < total:
+        lr = cfg.lr * lr_factor(step, total, cfg.schedule, cfg.warmup_steps, cfg.min_lr_ratio, cfg.decay_fraction)
+        set_lr(engine, lr)
+        t0 = time.perf_counter()
+        sums = {"loss": 0.0, "lm": 0.0, "mtp": 0.0, "balance": 0.0}
+        grad_norm = None
+        for micro in range(cfg.grad_accum):
+            b = {k: v.to(device) for k, v in loader.next_batch().items()}
+            out = engine(b["input_ids"], labels=b["labels"], doc_ids=b["doc_ids"])
+            engine.backward(out.loss)
+            if cfg.zero_stage == 0 and micro == cfg.grad_accum - 1:
+                # ZeRO-0 with a client optimizer does not report the norm; the gradients are
+                # whole and already averaged over ranks here, so take it before clipping.
+                grad_norm = _grad_norm(engine.module)
+            engine.step()
+            sums["loss"] += out.loss.item()
+            for k in ("lm", "mtp", "balance"):
+                sums[k] += out.losses[k].item() if k in out.losses else 0.0
+        _sync_router_load(engine.module)
+        balance = update_router_bias(engine.module, gamma)
+        reduced = _all_reduce_sum(list(sums.values()))
+        step += 1
+        tokens += tokens_per_step
+        dt = time.perf_counter() - t0
+        if grad_norm is None:
+            grad_norm = engine.get_global_grad_norm()
+        if rank == 0:
+            n = cfg.grad_accum * world
+            rec = {"step": step, "tokens": tokens, **{k: v / n for k, v in zip(sums, reduced)}, "lr": lr,
+                   "grad_norm": None if grad_norm is None else float(grad_norm),
+                   "tokens_per_s": tokens_per_step / dt,
+                   "expert_load_max_mean": 1.0 + balance["max_violation"]}
+            metrics.append(log_path, rec)
+            _say(METRIC, {**rec, "total_steps": total})
+        if step % cfg.checkpoint_every == 0 or step == total:
+            save(engine, ckpt_dir, step, tokens, loader, eval_before, spec, cfg.keep_last, rank, world)
+
+    eval_after = evaluate(engine.module, val_ds, cfg.micro_batch_size, cfg.eval_sequences, rank, world)
+    if rank == 0:
+        print(f"held-out after training: loss {eval_after['loss']:.4f} ppl {eval_after['ppl']:.2f}", flush=True)
+        export(engine.module, out_dir, spec.get("tokenizer_dir"),
+               {"val_loss_before": eval_before["loss"], "val_ppl_before": eval_before["ppl"],
+                "val_loss_after": eval_after["loss"], "val_ppl_after": eval_after["ppl"]})
+    dist.barrier()
+
+
+def save(engine, ckpt_dir: Path, step: int, tokens: int, loader: PackedLoader, eval_before: dict, spec: dict,
+         keep_last: int, rank: int, world: int) -> None:
+    dist = _dist()
+    tag = checkpoint.tag_for(step)
+    rngs: list[Any] = [None] * world
+    dist.all_gather_object(rngs, checkpoint.rng_state())  # every rank's RNG goes into rank 0's meta
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
+    dist.barrier()  # every rank's shards are on disk before rank 0 declares the checkpoint complete
+    if rank == 0:
+        meta = {"step": step, "tokens": tokens, "loader": loader.state_dict(), "rng": rngs, "world_size": world,
+                "eval_before": eval_before, "train": spec["train"], "model": spec["model"], "seed": spec["seed"]}
+        checkpoint.finalize(ckpt_dir, tag, meta, keep_last)
+        _say(CHECKPOINT, {"step": step, "tag": tag})
+    dist.barrier()
+
+
+def export(model: GLMModel, out_dir: Path, tokenizer_dir: str | None, evals: dict[str, float]) -> None:
+    """The stage artifact: our consolidated safetensors (the next stage starts from it) and the
+    Hugging Face export with tokenizer.json (for `glmforge eval perplexity --model out/hf`)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = model.float().eval()
+    save_state(model, out_dir / "consolidated.safetensors")
+    save_pretrained(model, out_dir / "hf", tokenizer_dir=tokenizer_dir)
+    (out_dir / "eval.json").write_text(json.dumps(evals, indent=1))
