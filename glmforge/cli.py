@@ -9,11 +9,14 @@ from typing import Optional
 
 import typer
 
+from glmforge.cli_model import eval_app, model_app
 from glmforge.config import ConfigError, load_config
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="The GLM-5 recipe as checkpointed Prefect flows.")
 artifacts_app = typer.Typer(no_args_is_help=True, help="Inspect published artifacts.")
 app.add_typer(artifacts_app, name="artifacts")
+app.add_typer(model_app, name="model")
+app.add_typer(eval_app, name="eval")
 
 PresetOpt = typer.Option(None, "--preset", "-p", help="preset in configs/ (default: tiny)")
 ConfigOpt = typer.Option(None, "--config", "-c", help="pipeline config YAML file")

@@ -65,10 +65,11 @@ class _CheckpointMirror:
         return self.store.pull_dir(self.prefix, self.local)
 
     def push(self) -> None:
-        for p in sorted(self.local.rglob("*")):
-            if not p.is_file():
-                continue
-            rel, st = p.relative_to(self.local).as_posix(), p.stat()
+        # Upload in modification order: a stage writes its state file (cursor, "latest" pointer)
+        # after the data it refers to, so the remote copy never points at data not yet uploaded.
+        files = [(p.stat(), p) for p in self.local.rglob("*") if p.is_file()]
+        for st, p in sorted(files, key=lambda x: (x[0].st_mtime_ns, str(x[1]))):
+            rel = p.relative_to(self.local).as_posix()
             if self.sent.get(rel) != (st.st_size, st.st_mtime_ns):
                 self.store.put_file(f"{self.prefix}/{rel}", p)
                 self.sent[rel] = (st.st_size, st.st_mtime_ns)

@@ -106,3 +106,14 @@ def test_resume_after_crash_gives_identical_shards(tmp_path, monkeypatch):
     for name in ["quarantine.jsonl"] + [p.name for p in sorted(clean.out.glob("part-*.parquet"))]:
         assert (crashed.out / name).read_bytes() == (clean.out / name).read_bytes(), name
     assert metrics["documents"] == 34 and metrics["quarantined"] == 5
+
+
+def test_ingest_from_s3_prefix(s3_env, seaweedfs, tmp_path):
+    client = seaweedfs["_client"]
+    client.put_object(Bucket=s3_env, Key="raw/a.jsonl", Body=b'{"text": "from s3"}\n{"text": ""}\n')
+    client.put_object(Bucket=s3_env, Key="raw/b.jsonl", Body=b'{"text": "second file"}\n')
+    metrics, docs, quarantine = _run(_cfg(path=f"s3://{s3_env}/raw/"), tmp_path)
+    assert [d.text for d in docs] == ["from s3", "second file"]
+    assert quarantine[0]["file"] == f"s3://{s3_env}/raw/a.jsonl" and quarantine[0]["line"] == 2
+    with pytest.raises(FileNotFoundError, match="no objects"):
+        _run(_cfg(path=f"s3://{s3_env}/missing/"), tmp_path / "m")

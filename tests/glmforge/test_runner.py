@@ -106,3 +106,41 @@ def test_published_upstream_names_missing_parent(tmp_path, jsonl):
     runner = _runner(tmp_path, _cfg(jsonl))
     with pytest.raises(ValueError, match="needs 'ingest'.*glmforge run --until ingest"):
         runner.published_upstream("quality")
+
+
+def test_remote_store_mirrors_checkpoint_and_resumes_elsewhere(tmp_path, jsonl, s3_env, monkeypatch):
+    """With S3, a stage's checkpoint is mirrored to the store: a retry on another machine (a new
+    home directory) restores it and continues instead of starting over."""
+    from glmforge.store import S3Store
+    import data_processing.ingest as ingest
+
+    cfg = _cfg(jsonl)
+    store = S3Store(f"s3://{s3_env}/pipeline")
+    real, calls = ingest._save_cursor, {"n": 0}
+
+    def crash_on_third(path, c):
+        real(path, c)
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt("machine lost")
+
+    monkeypatch.setattr(ingest, "_save_cursor", crash_on_third)
+    first = Runner(cfg, store, home=tmp_path / "machine-a")
+    with pytest.raises(KeyboardInterrupt):
+        first.run_stage(get_stage("ingest"), {})
+    key = first.key(get_stage("ingest"), {})
+    assert store.list(f"checkpoints/ingest/{key}/cursor.json")
+    monkeypatch.setattr(ingest, "_save_cursor", real)
+
+    seen = []
+    spec = get_stage("ingest")
+    def spy(cfg_, inputs, wd):
+        seen.append(json.loads((wd.checkpoint / "cursor.json").read_text())["shard"])
+        return spec.run(cfg_, inputs, wd)
+
+    result = Runner(cfg, store, home=tmp_path / "machine-b").run_stage(dataclasses.replace(spec, run=spy), {})
+    # The third checkpoint died before it was mirrored: machine b continues from the second.
+    assert seen == [2] and result.manifest.metrics["documents"] == 50
+    assert store.list(f"checkpoints/ingest/{key}") == []  # cleaned after publishing
+    clean = Runner(cfg, LocalStore(tmp_path / "other"), home=tmp_path / "c").run_stage(spec, {})
+    assert clean.manifest.digest == result.manifest.digest
