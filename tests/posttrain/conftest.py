@@ -18,7 +18,7 @@ def small_model(seed: int = 0, **overrides) -> GLMModel:
     """tiny() cut to 2 layers (one dense, one MoE) + MTP depth 1, vocab 512: every module kind
     QAT touches, in well under a second per forward."""
     torch.manual_seed(seed)
-    return GLMModel(tiny().replace(vocab_size=512, num_layers=2, mtp_depth=1, **overrides))
+    return GLMModel(tiny().replace(**{"vocab_size": 512, "num_layers": 2, "mtp_depth": 1, **overrides}))
 
 
 @pytest.fixture(scope="session")

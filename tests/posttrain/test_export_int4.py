@@ -128,3 +128,28 @@ def test_export_rejects_what_the_format_cannot_hold(tmp_path):
         export_int4(m, QATConfig(embeddings=True), tmp_path)
     q, _ = quantize_int4(torch.randn(4, 32), 32)
     assert _pack_int32(q).shape == (4, 4)
+
+
+@needs_ct
+def test_transformers_loads_the_int4_export_and_matches_fake_quant_logits(exported):
+    """An independent consumer: transformers' compressed-tensors quantizer reads the export
+    (per-expert int4 linears into its packed experts) and reproduces the QAT model's logits."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    m, _, paths = exported
+    hf_logging.set_verbosity_error()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tm, info = AutoModelForCausalLM.from_pretrained(str(paths["int4"]), output_loading_info=True)
+    L = m.config.num_layers
+    assert not info["missing_keys"] and not info.get("mismatched_keys")
+    assert all(k.startswith(f"model.layers.{L}.") for k in info["unexpected_keys"])   # MTP: not in transformers
+    assert torch.equal(tm.model.layers[1].mlp.experts.gate_up_proj, m.layers[1].mlp.experts.gate_up_proj)
+    ids = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, ref = tm(ids).logits, m(ids).logits
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    print(f"\ntransformers int4 export vs fake-quant: max |logit diff| {(got - ref).abs().max().item():.2e}")
