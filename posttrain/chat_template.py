@@ -206,7 +206,7 @@ def _tool_schema(tools: Sequence[dict] | None) -> dict[str, dict[str, str]]:
 
 # ---------------------------------------------------------------- rendering
 def _segments(messages: Sequence[Message], tools: Sequence[dict] | None, thinking_mode: str,
-              add_generation_prompt: bool) -> list[tuple[str, bool]]:
+              add_generation_prompt: bool, train_history: bool = True) -> list[tuple[str, bool]]:
     """The rendered conversation as (text, trained) pieces. A trained piece always starts right
     after a special token and ends with one, so encoding pieces one by one gives the same ids
     as encoding the whole string (added tokens split the text before BPE)."""
@@ -255,7 +255,7 @@ def _segments(messages: Sequence[Message], tools: Sequence[dict] | None, thinkin
                 prompt.append(THINK + END_THINK)
                 body = body[len(THINK + END_THINK):]
             segs.append(("".join(prompt), False))
-            segs.append((body + end, True))
+            segs.append((body + end, train_history or i > last_user))
             prompt, opened = [], end
             continue
         opened = None
@@ -283,16 +283,22 @@ class Encoded:
 
 
 def encode(tokenizer, messages: Sequence[Message], tools: Sequence[dict] | None = None,
-           thinking_mode: ThinkingMode = "interleaved", add_generation_prompt: bool = False) -> Encoded:
+           thinking_mode: ThinkingMode = "interleaved", add_generation_prompt: bool = False,
+           train_history: bool = True) -> Encoded:
     """Token ids and loss mask for a `tokenizers.Tokenizer` that has SPECIAL_TOKENS as added
-    tokens; ids equal tokenizer.encode(render(...)).ids."""
+    tokens; ids equal tokenizer.encode(render(...)).ids.
+
+    train_history=False trains only the assistant messages after the last user message. In
+    interleaved and turn modes the earlier turns are shown without their reasoning, a context
+    the model never answered from, so a multi-turn sample is better split into one sample per
+    turn (each a prefix of the conversation) with train_history=False."""
     missing = [t for t in (SYSTEM, USER, ASSISTANT, OBSERVATION, EOS, THINK, END_THINK, TOOL_CALL,
                            END_TOOL_CALL, ARG_KEY, END_ARG_KEY, ARG_VALUE, END_ARG_VALUE,
                            TOOL_RESPONSE, END_TOOL_RESPONSE) if tokenizer.token_to_id(t) is None]
     if missing:
         raise ValueError(f"tokenizer lacks the special tokens {missing}")
     ids, mask = [], []
-    for text, trained in _segments(messages, tools, thinking_mode, add_generation_prompt):
+    for text, trained in _segments(messages, tools, thinking_mode, add_generation_prompt, train_history):
         piece = tokenizer.encode(text, add_special_tokens=False).ids
         ids += piece
         mask += [int(trained)] * len(piece)

@@ -273,3 +273,13 @@ def test_generation_prompt_is_not_trained_and_tokenizer_must_know_the_tags(token
     from tokenizers import Tokenizer, models
     with pytest.raises(ValueError, match="lacks the special tokens"):
         encode(Tokenizer(models.BPE()), agent_conversation())
+
+
+def test_train_history_false_trains_only_the_last_turn(tokenizer):
+    msgs = agent_conversation()
+    full = encode(tokenizer, msgs)
+    last = encode(tokenizer, msgs, train_history=False)
+    assert last.ids == full.ids
+    trained = tokenizer.decode([i for i, k in zip(last.ids, last.loss_mask) if k], skip_special_tokens=False)
+    assert trained == "<think>Be polite.</think>You're welcome.<|endoftext|>"
+    assert sum(last.loss_mask) < sum(full.loss_mask)
