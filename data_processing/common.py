@@ -20,8 +20,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_processing.document import Document, ShardWriter, read_documents, shard_paths
 
-# The repo's real sample data (see samples/SOURCES.md); config paths may say {samples}.
-SAMPLES_DIR = Path(__file__).resolve().parents[1] / "samples"
+# The repo's real sample data (see samples/SOURCES.md); config paths may say {samples}. An
+# installed package carries it as data_processing/samples (pyproject package-data).
+_PKG_SAMPLES = Path(__file__).resolve().parent / "samples"
+SAMPLES_DIR = _PKG_SAMPLES if _PKG_SAMPLES.is_dir() else Path(__file__).resolve().parents[1] / "samples"
 REMOVED_DIR = "removed"
 
 

@@ -319,20 +319,32 @@ def run(cfg: MinHashConfig, inputs: dict[str, Path], workdir: Workdir) -> dict:
     shards = shard_paths(parent)
     if not shards:
         raise ValueError(f"{parent}: no part-*.parquet shards found")
-    workdir.progress(0, len(shards), "minhash signatures")
-    if cfg.workers > 1 and len(shards) > 1:
+    # Signatures are checkpointed per shard (written atomically), so a retried run only
+    # computes the shards the killed attempt did not finish.
+    ckpt = workdir.checkpoint / "signatures"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    todo = [s for s in shards if not (ckpt / f"{s.stem}.npy").exists()]
+    done = len(shards) - len(todo)
+    workdir.progress(done, len(shards), "minhash signatures")
+
+    def save(shard: Path, sig: np.ndarray) -> None:
+        nonlocal done
+        tmp = ckpt / f"{shard.stem}.tmp.npy"
+        np.save(tmp, sig)
+        tmp.replace(ckpt / f"{shard.stem}.npy")
+        done += 1
+        workdir.progress(done, len(shards), "minhash signatures")
+
+    if cfg.workers > 1 and len(todo) > 1:
         with ProcessPoolExecutor(max_workers=cfg.workers) as pool:
-            parts = []
-            for k, sig in enumerate(pool.map(minhash_signatures, shards, [cfg] * len(shards))):
-                parts.append(sig)
-                workdir.progress(k + 1, len(shards), "minhash signatures")
+            for shard, sig in zip(todo, pool.map(minhash_signatures, todo, [cfg] * len(todo))):
+                save(shard, sig)
     else:
-        parts = []
-        for k, s in enumerate(shards):
-            parts.append(minhash_signatures(s, cfg))
-            workdir.progress(k + 1, len(shards), "minhash signatures")
+        for shard in todo:
+            save(shard, minhash_signatures(shard, cfg))
+    workdir.persist_checkpoint()
+    parts = [np.load(ckpt / f"{s.stem}.npy") for s in shards]
     sigs = np.concatenate(parts) if parts else np.empty((0, cfg.num_perm), dtype=np.uint32)
-    np.save(workdir.checkpoint / "signatures.npy", sigs)
 
     docs_meta = [(d.id, quality_score(d.metadata)) for d in iter_input_documents(parent)]
     ids = [i for i, _ in docs_meta]

@@ -149,13 +149,19 @@ def semdedup(emb: np.ndarray, ids: Sequence[str], scores: Sequence[float], cfg: 
 def run(cfg: SemanticConfig, inputs: dict[str, Path], workdir: Workdir) -> dict:
     (parent,) = inputs.values()
     docs = list(iter_input_documents(parent))
-    embedder = Embedder(cfg)
-    parts = []
-    for s in range(0, len(docs), 2048):
-        parts.append(embedder.encode([d.text for d in docs[s : s + 2048]]))
-        workdir.progress(min(s + 2048, len(docs)), len(docs), "embedding")
-    emb = np.concatenate(parts) if parts else np.empty((0, 1), dtype=np.float32)
-    np.save(workdir.checkpoint / "embeddings.npy", emb)
+    ckpt = workdir.checkpoint / "embeddings.npy"
+    emb = np.load(ckpt) if ckpt.exists() else None
+    if emb is None or emb.shape[0] != len(docs):  # a retried attempt reuses finished embeddings
+        embedder = Embedder(cfg)
+        parts = []
+        for s in range(0, len(docs), 2048):
+            parts.append(embedder.encode([d.text for d in docs[s : s + 2048]]))
+            workdir.progress(min(s + 2048, len(docs)), len(docs), "embedding")
+        emb = np.concatenate(parts) if parts else np.empty((0, 1), dtype=np.float32)
+        tmp = workdir.checkpoint / "embeddings.tmp.npy"
+        np.save(tmp, emb)
+        tmp.replace(ckpt)
+        workdir.persist_checkpoint()
     ids = [d.id for d in docs]
     keep, assign, dup_of = semdedup(emb, ids, [quality_score(d.metadata) for d in docs], cfg)
     writer = ShardWriter(workdir.out, cfg.shard_size)
