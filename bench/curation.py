@@ -95,7 +95,7 @@ def bench_ours(docs, pairs) -> dict:
 
     sys.path.insert(0, str(REPO))
     from data_processing import minhash
-    from data_processing.quality import QualityClassifier, train_classifier, tiny_defaults
+    from data_processing.quality import tiny_defaults, train_classifier
 
     texts = [t for _, t in docs]
     ids = [i for i, _ in docs]

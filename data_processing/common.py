@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from data_processing.document import Document, ShardWriter, read_documents, shard_paths
+from data_processing.document import Document, ShardWriter, read_documents, read_shard, shard_paths
 
 # The repo's real sample data (see samples/SOURCES.md); config paths may say {samples}. An
 # installed package carries it as data_processing/samples (pyproject package-data).
@@ -72,8 +72,6 @@ def iter_input_documents(directory: Path) -> Iterator[Document]:
     if not shard_paths(directory):
         raise ValueError(f"{directory}: no part-*.parquet shards found (is this the parent's output?)")
     for path in shard_paths(directory):
-        from data_processing.document import read_shard
-
         for doc in read_shard(path):
             check_document(doc, str(path))
             yield doc
@@ -233,8 +231,6 @@ def _texts_of_file(path: Path, src: TextSource) -> Iterator[str]:
             if parts:
                 yield from _split("\n\n".join(parts), "file" if src.unit == "docstring" else src.unit)
     elif path.suffix == ".parquet":
-        from data_processing.document import read_shard
-
         for doc in read_shard(path):
             yield from _split(doc.text, src.unit)
     else:
@@ -269,7 +265,7 @@ def read_text_source(src: TextSource, seed: int = 0) -> list[str]:
     return out
 
 
-def write_removed_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> int:
+def write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> int:
     n = 0
     with open(path, "w", encoding="utf-8") as f:
         for r in records:

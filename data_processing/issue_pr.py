@@ -34,7 +34,7 @@ from typing import Any, Iterable, Iterator
 
 from pydantic import Field, field_validator
 
-from data_processing.common import StepConfig, expand_path, write_removed_jsonl
+from data_processing.common import StepConfig, expand_path, write_jsonl
 from data_processing.document import Document, ShardWriter
 from glmforge.stage import Workdir
 
@@ -413,9 +413,9 @@ def run(cfg: IssuePRConfig, inputs: dict[str, Path], workdir: Workdir) -> dict:
             raise ValueError(f"issue-pr: input file {p} does not exist")
     inp = read_inputs(issue_paths, file_paths, cfg.default_repo)
     records, skipped = mine(inp, cfg.require_patch)
-    write_removed_jsonl(workdir.out / "pairs.jsonl", records)
-    write_removed_jsonl(workdir.out / "skipped.jsonl", skipped)
-    write_removed_jsonl(workdir.out / "quarantine.jsonl", inp.quarantine)
+    write_jsonl(workdir.out / "pairs.jsonl", records)
+    write_jsonl(workdir.out / "skipped.jsonl", skipped)
+    write_jsonl(workdir.out / "quarantine.jsonl", inp.quarantine)
     writer = ShardWriter(workdir.out, cfg.shard_size)
     for k, r in enumerate(records):
         iid = f"{r['instance_id']}-issue{r['issue_numbers'][0]}"
