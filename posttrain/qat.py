@@ -217,11 +217,6 @@ def quantize_tensor(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, tor
     return pack_int4(q).view(*w.shape[:-1], -1), s.view(*w.shape[:-1], -1)
 
 
-def dequantize_tensor(packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
-    w = dequantize_int4(packed.reshape(-1, packed.shape[-1]), scales.reshape(-1, scales.shape[-1]), group_size)
-    return w.view(*packed.shape[:-1], -1)
-
-
 @torch.no_grad()
 def convert_int4(model: GLMModel, cfg: QATConfig) -> dict[str, torch.Tensor]:
     """The model's state dict with each quantized tensor X replaced by X_packed + X_scale.
