@@ -29,6 +29,7 @@ class LocalPrefect:
             "PREFECT_UI_API_URL": self.url,
         }
         if home is not None:
+            Path(home).mkdir(parents=True, exist_ok=True)
             self.env["PREFECT_HOME"] = str(home)
         self.log_dir = Path(log_dir) if log_dir else None
         self.server: subprocess.Popen | None = None
