@@ -111,6 +111,12 @@ class TrainConfig(BaseModel):
                 f"{self.zero_stage} hands the optimizer flattened 1-D partitions, which Muon cannot "
                 "orthogonalise. Use optimizer 'deepspeed_muon' (DeepSpeed's Muon, ZeRO 1/2) or 'adamw'."
             )
+        if self.optimizer == "deepspeed_muon" and self.zero_stage > 0 and self.grad_clip > 0:
+            raise ValueError(
+                "optimizer 'deepspeed_muon' at ZeRO 1/2 writes the Muon update into the gradient "
+                "partitions before DeepSpeed takes the global norm, so grad_clip would clip the "
+                "orthogonalised update, not the gradient: set grad_clip 0"
+            )
         return self
 
     def steps_for(self, seq_len: int) -> int:

@@ -19,14 +19,18 @@ from training.config import CLIENT_MUON, TrainConfig
 from training.optim import build_optimizer
 
 
-def ds_config(cfg: TrainConfig, cuda: bool) -> dict[str, Any]:
+def ds_config(cfg: TrainConfig, cuda: bool, n_params: int) -> dict[str, Any]:
     if cfg.precision == "bf16" and not cuda:
         raise ValueError("precision bf16 needs a CUDA device; use precision fp32 on CPU")
+    # ZeRO buckets of at most 5e7 elements (DeepSpeed's default is 5e8), and no larger than the
+    # model: the buffers are filled every step, which cost seconds per step on a CPU.
+    bucket = int(min(5e7, max(1e6, n_params)))
     conf: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": cfg.grad_accum,
         "gradient_clipping": cfg.grad_clip,
-        "zero_optimization": {"stage": cfg.zero_stage},
+        "zero_optimization": {"stage": cfg.zero_stage, "reduce_bucket_size": bucket,
+                              "allgather_bucket_size": bucket, "overlap_comm": cuda},
         "steps_per_print": 2**31 - 1,  # we log ourselves
         "wall_clock_breakdown": False,
     }
@@ -54,7 +58,7 @@ def _decay_groups(model: nn.Module) -> list[dict[str, Any]]:
 def build_engine(model: nn.Module, cfg: TrainConfig, cuda: bool):
     import deepspeed
 
-    conf = ds_config(cfg, cuda)
+    conf = ds_config(cfg, cuda, sum(p.numel() for p in model.parameters()))
     if cfg.optimizer in CLIENT_MUON:
         opt = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas, eps=cfg.eps,
                               muon_split=cfg.optimizer == "muon_split", momentum=cfg.momentum,

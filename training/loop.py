@@ -217,7 +217,12 @@ def export(model: GLMModel, out_dir: Path, tokenizer_dir: str | None, evals: dic
     """The stage artifact: our consolidated safetensors (the next stage starts from it) and the
     Hugging Face export with tokenizer.json (for `glmforge eval perplexity --model out/hf`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    model = model.float().eval()
+    # Under ZeRO 1/2 the parameters are views into one flat buffer, which safetensors refuses
+    # to save (shared storage): export a copy with tensors of their own.
+    state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    model = GLMModel(model.config)
+    model.load_state_dict(state, strict=True)
+    model.eval()
     save_state(model, out_dir / "consolidated.safetensors")
     save_pretrained(model, out_dir / "hf", tokenizer_dir=tokenizer_dir)
     (out_dir / "eval.json").write_text(json.dumps(evals, indent=1))

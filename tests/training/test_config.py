@@ -1,0 +1,114 @@
+"""Config validation (which DeepSpeed/ZeRO/optimizer combinations are refused), the launch
+command line, LR schedules and the context-phase data mix."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from data_processing.document import Document
+from training.config import ContextConfig, LaunchConfig, MixConfig, PretrainConfig, TrainConfig
+from training.engine import ds_config
+from training.launch import command
+from training.longdata import mix_weight
+from training.schedule import lr_factor
+from training.stages import STAGES, model_config_for
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("opt", ["muon", "muon_split"])
+def test_client_muon_needs_zero_0(opt, zero):
+    with pytest.raises(ValueError, match="flattened 1-D partitions"):
+        TrainConfig(optimizer=opt, zero_stage=zero)
+
+
+def test_supported_combinations_validate():
+    for opt, zero in [("muon", 0), ("muon_split", 0), ("deepspeed_muon", 0), ("adamw", 0), ("adamw", 2)]:
+        TrainConfig(optimizer=opt, zero_stage=zero)
+    TrainConfig(optimizer="deepspeed_muon", zero_stage=2, grad_clip=0)
+    with pytest.raises(ValueError, match="grad_clip"):
+        TrainConfig(optimizer="deepspeed_muon", zero_stage=1, grad_clip=1.0)
+    with pytest.raises(ValueError):
+        TrainConfig(zero_stage=3)
+    with pytest.raises(ValueError):
+        TrainConfig(unknown_field=1)
+
+
+def test_deepspeed_config_per_combination():
+    bf16 = ds_config(TrainConfig(precision="bf16"), cuda=True, n_params=10)
+    assert bf16["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"} and "bf16" not in bf16
+    assert "optimizer" not in bf16                                  # client optimizer
+    ds = ds_config(TrainConfig(optimizer="deepspeed_muon", zero_stage=2, grad_clip=0, precision="bf16"), True, 10)
+    assert ds["bf16"] == {"enabled": True} and ds["optimizer"]["type"] == "Muon"
+    assert ds["optimizer"]["params"]["per_head_muon"] and ds["zero_optimization"]["stage"] == 2
+    assert ds_config(TrainConfig(optimizer="adamw"), False, 10)["optimizer"]["params"]["torch_adam"]
+    with pytest.raises(ValueError, match="CUDA"):
+        ds_config(TrainConfig(precision="bf16"), cuda=False, n_params=10)
+
+
+def test_launch_validation_and_commands(tmp_path):
+    with pytest.raises(ValueError, match="launcher: deepspeed"):
+        LaunchConfig(hostfile="hosts")
+    with pytest.raises(ValueError, match="master_addr"):
+        LaunchConfig(nnodes=2, master_port=29500)
+    with pytest.raises(ValueError, match="master_port"):
+        LaunchConfig(nnodes=2, master_addr="10.0.0.1")
+    cmd = command(LaunchConfig(nproc_per_node=2), tmp_path / "s.json", 1234)
+    assert "--nproc_per_node=2" in cmd and "--master_port=1234" in cmd and cmd[-3:] == ["-m", "training.launch", str(tmp_path / "s.json")]
+    multi = LaunchConfig(launcher="deepspeed", hostfile="/etc/hosts.ds", nnodes=4, nproc_per_node=8,
+                         master_addr="10.0.0.1", master_port=29500)
+    cmd = command(multi, tmp_path / "s.json", 29500)
+    assert "--hostfile=/etc/hosts.ds" in cmd and "--num_nodes=4" in cmd and "--module" in cmd
+    assert multi.world_size == 32
+
+
+def test_steps_from_token_budget():
+    cfg = TrainConfig(micro_batch_size=2, grad_accum=2, token_budget=10_000, max_steps=1000,
+                      launch={"nproc_per_node": 2})
+    assert cfg.steps_for(100) == 10_000 // (2 * 2 * 2 * 100)
+    assert TrainConfig(max_steps=7).steps_for(100) == 7
+
+
+def test_schedules():
+    total = 100
+    cos = [lr_factor(s, total, "cosine", warmup=10, min_ratio=0.1) for s in range(total)]
+    assert cos[0] == pytest.approx(0.1) and cos[9] == 1.0 and cos[10] == 1.0
+    assert cos[-1] == pytest.approx(0.1) and all(a >= b for a, b in zip(cos[10:], cos[11:]))
+    assert cos[55] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 45 / 89)))
+    wsd = [lr_factor(s, total, "wsd", warmup=0, min_ratio=0.0, decay_fraction=0.2) for s in range(total)]
+    assert wsd[:80] == [1.0] * 80 and wsd[-1] == pytest.approx(0.0) and wsd[80] == pytest.approx(1 - 1 / 20)
+    assert lr_factor(5, 10, "constant") == 1.0
+    with pytest.raises(AssertionError):
+        lr_factor(10, 10, "cosine")
+
+
+def test_vocab_comes_from_the_tokenizer():
+    cfg = PretrainConfig(model_preset="tiny")
+    assert model_config_for(cfg, 5000).vocab_size == 5000
+    assert model_config_for(PretrainConfig(model_overrides={"vocab_size": 5056}), 5000).vocab_size == 5056
+    with pytest.raises(ValueError, match="smaller than the tokenizer"):
+        model_config_for(PretrainConfig(model_overrides={"vocab_size": 4000}), 5000)
+    with pytest.raises(ValueError, match="valid tiny model"):
+        PretrainConfig(model_overrides={"num_layers": 0})
+    with pytest.raises(ValueError, match="only DSA layers"):     # would fail at the HF export
+        PretrainConfig(model_overrides={"attention_pattern": ["full", "dsa", "dsa", "dsa"]})
+
+
+def test_mix_weights_favour_long_code_and_issue_pr():
+    mix = MixConfig(sources={"issue-pr": 3.0, "stdlib": 2.0}, default_weight=0.5, long_chars=100, long_weight=2.0)
+    short_prose = Document("a", "x" * 50, "shakespeare")
+    long_code = Document("b", "x" * 500, "stdlib", {"quality": {"weight": 1.5}})
+    assert mix_weight(short_prose, mix) == 0.5
+    assert mix_weight(long_code, mix) == 1.5 * 2.0 * 2.0
+    assert mix_weight(Document("c", "x" * 50, "issue-pr"), mix) == 3.0
+    with pytest.raises(ValueError):
+        MixConfig(sources={"x": -1.0})
+
+
+def test_stage_registry():
+    by = {s.name: s for s in STAGES}
+    assert list(by) == ["pretrain", "context-1", "context-2", "context-3"]
+    assert by["pretrain"].parents == ("pack", "tokenize") and by["pretrain"].config_cls is PretrainConfig
+    assert by["context-2"].parents == ("context-1", "decontaminate", "tokenize")
+    assert all(by[f"context-{k}"].config_cls is ContextConfig for k in (1, 2, 3))
+    assert len({s.section for s in STAGES}) == 4
