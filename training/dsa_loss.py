@@ -13,8 +13,8 @@ attention logits and to I before both softmaxes, so each is renormalised over S_
 Reduction as Megatron's compute_dsa_indexer_loss: sum over s, mean over (batch, t), then here
 the mean over DSA layers. Megatron then multiplies by dsa_indexer_loss_coeff: the loop's job.
 
-What the model must be asked for: forward(..., return_indexer=True, return_attn_probs=True),
-with dense_attention=True for the warm-up and False for the sparse stage. The model already
+What the model must be asked for: forward(..., **forward_kwargs(stage)): indexer scores and
+attention probabilities, dense attention for the warm-up, top-k for the sparse stage. The model already
 feeds the indexer detached inputs (model/mla.py: x.detach(), q_lat.detach()) and returns the
 attention probabilities detached, so L_I trains only the indexer and the LM loss never reaches
 it (the top-k indices are integers). The MTP block's indexer is not covered: the model returns
@@ -31,6 +31,20 @@ from model.model import GLMOutput
 # Probability mass an attention row may put outside the selected set in a sparse forward:
 # anything above this means the output came from a dense forward (wrong stage).
 _OUTSIDE_MASS_TOL = 1e-4
+
+
+def forward_kwargs(stage: str) -> dict:
+    """What GLMModel.forward must be given for a stage's indexer loss ("warmup" | "sparse").
+
+    Warm-up: dense attention (the target is the dense distribution) and no MTP (its block's
+    attention probabilities are not returned, and there is no LM loss to train in this stage).
+    Sparse: top-k attention; the same forward, given labels, also yields the LM loss.
+    """
+    if stage == "warmup":
+        return {"return_indexer": True, "return_attn_probs": True, "dense_attention": True, "compute_mtp": False}
+    if stage == "sparse":
+        return {"return_indexer": True, "return_attn_probs": True, "dense_attention": False}
+    raise ValueError(f"unknown DSA stage {stage!r}; choose 'warmup' or 'sparse'")
 
 
 def _dsa_layers(out: GLMOutput) -> list[tuple[int, IndexerOut, torch.Tensor]]:

@@ -10,7 +10,7 @@ from kernels.topk import deterministic_topk
 from model.config import preset
 from model.mla import IndexerOut
 from model.model import GLMModel, GLMOutput, freeze_all_but_indexer, indexer_parameters, unfreeze_all
-from training.dsa_loss import selected_mask, sparse_indexer_loss, warmup_indexer_loss
+from training.dsa_loss import forward_kwargs, selected_mask, sparse_indexer_loss, warmup_indexer_loss
 
 REPO = Path(__file__).resolve().parents[2]
 H = 4   # heads in the hand-built outputs: attention rows sum to H, as the model's do
@@ -147,6 +147,8 @@ def test_sparse_kl_lives_on_the_selected_set():
 def test_needs_indexer_outputs():
     with pytest.raises(ValueError, match="return_indexer"):
         warmup_indexer_loss(GLMOutput(logits=torch.zeros(1)))
+    with pytest.raises(ValueError, match="unknown DSA stage"):
+        forward_kwargs("dense")
 
 
 # ---------------------------------------------------------------- a real model
@@ -171,7 +173,7 @@ def test_warmup_gradients_reach_only_the_indexers():
     model = GLMModel(tiny_cfg(attention_pattern=("dsa", "full")))
     x = text_batches(2, 48, 1)[0]
     trainable = freeze_all_but_indexer(model)
-    out = model(x, return_indexer=True, return_attn_probs=True, dense_attention=True)
+    out = model(x, **forward_kwargs("warmup"))
     warmup_indexer_loss(out)[0].backward()
     got = grad_names(model)
     assert got and all(".indexer." in n for n in got)
@@ -181,7 +183,7 @@ def test_warmup_gradients_reach_only_the_indexers():
     # and the LM loss never reaches it.
     unfreeze_all(model)
     model.zero_grad(set_to_none=True)
-    out = model(x[:, :-1], labels=x[:, 1:], return_indexer=True, return_attn_probs=True, dense_attention=False)
+    out = model(x[:, :-1], labels=x[:, 1:], **forward_kwargs("sparse"))
     sparse_indexer_loss(out)[0].backward()
     got = grad_names(model)
     assert got and all(".indexer." in n for n in got)
@@ -197,7 +199,7 @@ def test_warmup_on_real_text_lowers_kl_and_raises_recall():
     opt = torch.optim.Adam(freeze_all_but_indexer(model), lr=1e-2)
     kl, recall = [], []
     for step in range(150):
-        out = model(batches[step % len(batches)], return_indexer=True, return_attn_probs=True, dense_attention=True)
+        out = model(batches[step % len(batches)], **forward_kwargs("warmup"))
         loss, m = warmup_indexer_loss(out)
         opt.zero_grad(set_to_none=True)
         loss.backward()
