@@ -54,62 +54,87 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 # ------------------------------------------------------------------------------------------
 # torch reference: chunked forward, recomputing backward
+#
+# Per chunk of C queries the selected keys are gathered head-major, (B, H, C, K', D), so the
+# logits and outputs are batched (1 x D) @ (D x K') products. K' <= K drops trailing slot
+# columns that are empty for the whole chunk (early causal rows select fewer than K keys).
 
-def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """x (B, S, H, D), idx (B, C, K) with -1 allowed -> (B, C, K, H, D) (empty slots read key 0)."""
-    b = torch.arange(x.shape[0], device=x.device)[:, None, None]
-    return x[b, idx.clamp(min=0)]
+def _rows(idx: torch.Tensor, S: int, H: int) -> torch.Tensor:
+    """idx (B, C, K) -> (B, H, C, K) row numbers into x.reshape(B * S * H, D); -1 reads key 0."""
+    b = torch.arange(idx.shape[0], device=idx.device)[:, None, None, None]
+    h = torch.arange(H, device=idx.device)[None, :, None, None]
+    return (b * S + idx.clamp(min=0)[:, None]) * H + h
+
+
+def _chunk_indices(indices: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
+    """indices[:, t0:t1] without the slot columns that are -1 in every row of the chunk."""
+    idx = indices[:, t0:t1]
+    used = (idx >= 0).flatten(0, 1).any(0).nonzero()
+    return idx[..., : int(used.max()) + 1 if used.numel() else 1]
 
 
 def _probs(q_c, kg, valid, scale, lse=None):
-    """Softmax over the K selected keys; returns (p (B,C,H,K), lse (B,C,H))."""
-    logits = torch.einsum("bchd,bckhd->bchk", q_c, kg) * scale
-    logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
+    """q_c (B,H,C,1,D), kg (B,H,C,K,D) -> p (B,H,C,1,K), lse (B,H,C,1) over the valid slots."""
+    logits = (q_c @ kg.mT) * scale                             # (B, H, C, 1, K)
+    logits = logits.masked_fill(~valid[:, None, :, None, :], float("-inf"))
     if lse is None:
         lse = torch.logsumexp(logits, dim=-1)                   # -inf for an empty row
-    p = torch.where(valid[:, :, None, :], torch.exp(logits - lse[..., None]), 0.0)
+    p = torch.where(valid[:, None, :, None, :], torch.exp(logits - lse[..., None]), 0.0)
     return p, lse
 
 
-def sparse_attention_forward_reference(q, k, v, indices, scale, chunk=128):
+def _auto_chunk(indices: torch.Tensor, H: int, D: int, chunk: int | None) -> int:
+    # default: about 16M gathered elements per chunk (64 MB in fp32)
+    return chunk or max(1, 2**24 // max(1, indices.shape[-1] * H * D))
+
+
+def sparse_attention_forward_reference(q, k, v, indices, scale, chunk=None):
     """-> out (B,T,H,Dv) in q's dtype, lse (B,T,H) in the compute dtype."""
-    B, T, H, _ = q.shape
+    B, T, H, D = q.shape
+    S, DV = k.shape[1], v.shape[-1]
     cdt = _compute_dtype(q)
-    out = torch.empty(B, T, H, v.shape[-1], dtype=q.dtype, device=q.device)
+    chunk = _auto_chunk(indices, H, D + DV, chunk)
+    k_rows, v_rows = k.reshape(B * S * H, D), v.reshape(B * S * H, DV)
+    out = torch.empty(B, T, H, DV, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, T, H, dtype=cdt, device=q.device)
     for t0 in range(0, T, chunk):
         t1 = min(t0 + chunk, T)
-        idx = indices[:, t0:t1]                                 # (B, C, K)
-        kg, vg = _gather(k, idx).to(cdt), _gather(v, idx).to(cdt)  # (B, C, K, H, D|Dv)
-        p, lse_c = _probs(q[:, t0:t1].to(cdt), kg, idx >= 0, scale)
-        out[:, t0:t1] = torch.einsum("bchk,bckhd->bchd", p, vg).to(q.dtype)
-        lse[:, t0:t1] = lse_c
+        idx = _chunk_indices(indices, t0, t1)                   # (B, C, K')
+        rows = _rows(idx, S, H)                                 # (B, H, C, K')
+        kg, vg = k_rows[rows].to(cdt), v_rows[rows].to(cdt)     # (B, H, C, K', D | Dv)
+        q_c = q[:, t0:t1].transpose(1, 2)[..., None, :].to(cdt)  # (B, H, C, 1, D)
+        p, lse_c = _probs(q_c, kg, idx >= 0, scale)
+        out[:, t0:t1] = (p @ vg).squeeze(-2).transpose(1, 2).to(q.dtype)
+        lse[:, t0:t1] = lse_c.squeeze(-1).transpose(1, 2)
     return out, lse
 
 
-def sparse_attention_backward_reference(q, k, v, indices, scale, out, lse, dout, chunk=128):
+def sparse_attention_backward_reference(q, k, v, indices, scale, out, lse, dout, chunk=None):
     """-> dq, dk, dv in the compute dtype, recomputing the probabilities chunk by chunk."""
     B, T, H, D = q.shape
-    S = k.shape[1]
+    S, DV = k.shape[1], v.shape[-1]
     cdt = _compute_dtype(q)
+    chunk = _auto_chunk(indices, H, D + DV, chunk)
+    k_rows, v_rows = k.reshape(B * S * H, D), v.reshape(B * S * H, DV)
     dq = torch.zeros(B, T, H, D, dtype=cdt, device=q.device)
-    dk = torch.zeros(B * S, H, D, dtype=cdt, device=q.device)
-    dv = torch.zeros(B * S, H, v.shape[-1], dtype=cdt, device=q.device)
+    dk = torch.zeros(B * S * H, D, dtype=cdt, device=q.device)
+    dv = torch.zeros(B * S * H, DV, dtype=cdt, device=q.device)
     delta = (dout.to(cdt) * out.to(cdt)).sum(-1)               # (B, T, H)
     for t0 in range(0, T, chunk):
         t1 = min(t0 + chunk, T)
-        idx = indices[:, t0:t1]                                 # (B, C, K)
-        q_c, do_c = q[:, t0:t1].to(cdt), dout[:, t0:t1].to(cdt)
-        kg, vg = _gather(k, idx).to(cdt), _gather(v, idx).to(cdt)
-        p, _ = _probs(q_c, kg, idx >= 0, scale, lse[:, t0:t1])  # (B, C, H, K)
-        dp = torch.einsum("bchd,bckhd->bchk", do_c, vg)
-        ds = p * (dp - delta[:, t0:t1, :, None])               # softmax backward
-        dq[:, t0:t1] = torch.einsum("bchk,bckhd->bchd", ds, kg) * scale
-        # scatter the per-slot key/value gradients back to their positions (empty slots add 0)
-        rows = (torch.arange(B, device=q.device)[:, None, None] * S + idx.clamp(min=0)).flatten()
-        dk.index_add_(0, rows, torch.einsum("bchk,bchd->bckhd", ds, q_c).flatten(0, 2) * scale)
-        dv.index_add_(0, rows, torch.einsum("bchk,bchd->bckhd", p, do_c).flatten(0, 2))
-    return dq, dk.view(B, S, H, D), dv.view(B, S, H, -1)
+        idx = _chunk_indices(indices, t0, t1)                   # (B, C, K')
+        rows = _rows(idx, S, H)                                 # (B, H, C, K')
+        kg, vg = k_rows[rows].to(cdt), v_rows[rows].to(cdt)     # (B, H, C, K', D | Dv)
+        q_c = q[:, t0:t1].transpose(1, 2)[..., None, :].to(cdt)  # (B, H, C, 1, D)
+        do_c = dout[:, t0:t1].transpose(1, 2)[..., None, :].to(cdt)  # (B, H, C, 1, Dv)
+        p, _ = _probs(q_c, kg, idx >= 0, scale, lse[:, t0:t1].transpose(1, 2)[..., None])
+        dp = do_c @ vg.mT                                       # (B, H, C, 1, K')
+        ds = p * (dp - delta[:, t0:t1].transpose(1, 2)[..., None, None])  # softmax backward
+        dq[:, t0:t1] = (ds @ kg).squeeze(-2).transpose(1, 2) * scale
+        # scatter the per-slot key/value gradients back to their rows (empty slots add 0)
+        dk.index_put_((rows.flatten(),), (ds.mT * q_c).reshape(-1, D) * scale, accumulate=True)
+        dv.index_put_((rows.flatten(),), (p.mT * do_c).reshape(-1, DV), accumulate=True)
+    return dq, dk.view(B, S, H, D), dv.view(B, S, H, DV)
 
 
 # ------------------------------------------------------------------------------------------
@@ -268,20 +293,21 @@ class SparseAttention(torch.autograd.Function):
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
-                     scale: float, chunk: int = 128) -> torch.Tensor:
+                     scale: float, chunk: int | None = None) -> torch.Tensor:
     """q (B,T,H,D), k (B,S,H,D), v (B,S,H,Dv), indices (B,T,K) -> out (B,T,H,Dv).
 
-    Differentiable in q, k, v. `chunk` (queries per step) only affects the torch path.
+    Differentiable in q, k, v. `chunk` (queries per step) only affects the torch path; None
+    picks about 16M gathered elements per step.
     """
     _check_args(q, k, v, indices, scale)
-    if not isinstance(chunk, int) or chunk < 1:
+    if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
     use_triton = q.is_cuda and triton is not None
     return SparseAttention.apply(q, k, v, indices, float(scale), chunk, use_triton)
 
 
 def sparse_attention_mqa(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float,
-                         dv: int, chunk: int = 128) -> torch.Tensor:
+                         dv: int, chunk: int | None = None) -> torch.Tensor:
     """Absorbed / MQA form: q (B,T,H,D), kv (B,S,D) shared by all heads, values = kv[..., :dv].
 
     -> out (B,T,H,dv). Implemented on top of the MHA kernels with a broadcast (stride-0) head

@@ -62,24 +62,27 @@ def topk_reference(scores: torch.Tensor, k: int) -> torch.Tensor:
 def topk_torch(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Same result as `topk_reference` in O(S) extra memory per row, without a full sort."""
     _check_args(scores, k)
-    S = scores.shape[-1]
+    lead, S = scores.shape[:-1], scores.shape[-1]
     kk = min(k, S)
     if kk == 0:
-        return scores.new_full((*scores.shape[:-1], k), -1, dtype=torch.long)
-    x = scores.float()
-    x = torch.where(x == 0, 0.0, x)                            # -0.0 -> +0.0
-    thr = torch.topk(x, kk, dim=-1).values[..., -1:]           # (..., 1) k-th largest value
-    valid = x != float("-inf")
+        return scores.new_full((*lead, k), -1, dtype=torch.long)
+    x = scores.reshape(-1, S).float()                          # (R, S); -0.0 == +0.0 here
+    thr = torch.topk(x, kk, dim=-1, sorted=False).values.amin(-1, keepdim=True)  # k-th largest
     above = x > thr
-    tied = (x == thr) & valid
-    need = kk - above.sum(-1, keepdim=True)                    # how many tied slots to take
-    take = above | (tied & (torch.cumsum(tied, dim=-1) <= need))  # lower positions win ties
-    # scatter the taken positions into slots 0.. in ascending order; the rest land in slot kk
-    slot = torch.where(take, torch.cumsum(take, dim=-1) - 1, kk)
-    pos = torch.arange(S, device=x.device).expand_as(x)
-    out = torch.full((*x.shape[:-1], kk + 1), -1, dtype=torch.long, device=x.device)
-    out.scatter_(-1, slot, torch.where(take, pos, -1))
-    return _pad(out[..., :kk], k)
+    tied = (x == thr) & (x != float("-inf"))                   # -inf never counts
+    need = kk - above.sum(-1, keepdim=True)                    # tied slots left to fill
+    take = above | tied
+    short = (tied.sum(-1, keepdim=True) > need).squeeze(-1)    # rows with more ties than room
+    if short.any():                                            # lower positions win the ties
+        t = tied[short]
+        take[short] = above[short] | (t & (torch.cumsum(t, dim=-1) <= need[short]))
+    # taken positions, row-major so ascending within each row; fewer than kk leaves -1s
+    row, pos = take.nonzero(as_tuple=True)
+    counts = take.sum(-1)
+    slot = torch.arange(row.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[row]
+    out = torch.full((x.shape[0], kk), -1, dtype=torch.long, device=x.device)
+    out[row, slot] = pos
+    return _pad(out.reshape(*lead, kk), k)
 
 
 if triton is not None:
