@@ -108,17 +108,19 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int,
                  causal_offset: int = 0, chunk: int = 1024) -> torch.Tensor:
     """Top-k key positions per query, (B, T, topk) long, -1 for empty slots.
 
-    Scores are computed `chunk` queries at a time and reduced to indices immediately.
+    Scores are computed `chunk` queries at a time and reduced to indices immediately. Keys
+    after the chunk's last query position are all -inf for it, so they are not scored at all.
     """
     _check_args(q, k, w, causal_offset)
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
-    T = q.shape[1]
+    T, S = q.shape[1], k.shape[1]
     out = []
     for t0 in range(0, T, chunk):
         t1 = min(t0 + chunk, T)
-        scores = indexer_scores(q[:, t0:t1], k, w[:, t0:t1], causal_offset + t0)  # (B, C, S)
-        out.append(deterministic_topk(scores, topk))
+        s1 = min(S, t1 + causal_offset)                        # keys visible to the chunk
+        scores = indexer_scores(q[:, t0:t1], k[:, :s1], w[:, t0:t1], causal_offset + t0)
+        out.append(deterministic_topk(scores, topk))           # (B, C, topk), positions < s1
     if not out:
         return torch.empty(q.shape[0], 0, topk, dtype=torch.long, device=q.device)
     return torch.cat(out, dim=1)
