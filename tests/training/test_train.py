@@ -37,7 +37,8 @@ def config(**kw) -> PretrainConfig:
 def workdir(root: Path) -> tuple[Workdir, list[str]]:
     persisted: list[str] = []
     wd = Workdir.at(root, seed=7)
-    wd.persist_checkpoint = lambda: persisted.append((wd.checkpoint / checkpoint.LATEST).read_text())
+    latest = wd.checkpoint / checkpoint.LATEST
+    wd.persist_checkpoint = lambda: persisted.append(latest.read_text() if latest.exists() else "(no checkpoint)")
     return wd, persisted
 
 
@@ -167,3 +168,35 @@ def test_zero2_deepspeed_muon_falls_back_past_a_corrupt_newest_checkpoint(packed
     assert again["resumed_from_step"] == 3
     got = steps(wd)
     assert [{k: r[k] for k in EXACT} for r in got] == [{k: r[k] for k in EXACT} for r in want]
+
+
+def test_context_phase_continues_from_pretrain_on_packed_long_documents(reference, packed, tmp_path):
+    import json
+
+    from data_processing.document import Document, ShardWriter
+    from training.config import ContextConfig
+    from training.stages import STAGES
+
+    docs = stdlib_docs(40)
+    # a "repository" of three modules and issue-PR threads: the mix's favoured sources
+    repo = [Document(f"cpython/{d.id}", d.text, "issue-pr", {"repo": "python/cpython", "path": d.id}) for d in docs[:3]]
+    w = ShardWriter(tmp_path / "decontaminate", 100)
+    w.write_all(repo + docs[3:])
+    w.close()
+    ref_wd, ref_result, _ = reference
+    context_1 = next(s for s in STAGES if s.name == "context-1")
+    cfg = ContextConfig(seq_len=128, rope_theta=40000.0, max_steps=6, checkpoint_every=3, micro_batch_size=2,
+                        lr=0.01, eval_sequences=16, launch={"nproc_per_node": 1},
+                        mix={"sources": {"issue-pr": 3.0}, "long_chars": 8000, "long_weight": 2.0})
+    wd, persisted = workdir(tmp_path / "context-1")
+    inputs = {"pretrain": ref_wd.out, "decontaminate": tmp_path / "decontaminate", "tokenize": packed["tokenize"]}
+    result = context_1.run(cfg, inputs, wd)
+    assert result["seq_len"] == 128 and result["rope_theta"] == 40000.0 and result["world_size"] == 1
+    assert set(result["mix_chars_share"]) == {"issue-pr", "stdlib"}
+    assert (wd.checkpoint / "packed" / "PACKED").exists()
+    # it starts from the pretrained weights: far below the untrained model's held-out loss
+    assert result["val_loss_before"] < ref_result["val_loss_before"] - 0.5
+    hf = json.loads((wd.out / "hf" / "config.json").read_text())
+    assert hf["rope_parameters"]["rope_theta"] == 40000.0 and hf["max_position_embeddings"] >= 128
+    assert (wd.out / "consolidated.safetensors").is_file()
+    assert persisted == ["(no checkpoint)", "step_00000003", "step_00000006"]  # packed data, then each checkpoint
