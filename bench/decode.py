@@ -111,7 +111,7 @@ def main() -> None:
     # the machine is shared, and load spikes hit both alike.
     plain_t = spec_t = 0.0
     n_plain = n_spec = 0
-    acc, same = [], True
+    acc, same, generated = [], True, []
     for p in prompts:
         tp, ts = [], []
         for _ in range(args.repeats):
@@ -127,13 +127,17 @@ def main() -> None:
         n_spec += b.new_tokens.shape[1]
         acc += b.acceptance_lengths
         same &= torch.equal(a.tokens, b.tokens)
+        generated += a.new_tokens[0].tolist()
     res = {
         "train_steps": len(losses), "train_seconds": args.train_seconds,
         "final_lm_loss_nats_per_byte": sum(losses[-10:]) / min(10, len(losses)),
         "plain_tokens_per_s": n_plain / plain_t, "speculative_tokens_per_s": n_spec / spec_t,
         "speedup": (n_spec / spec_t) / (n_plain / plain_t),
         "mean_acceptance_length": sum(acc) / len(acc), "draft_tokens": 3,
-        "greedy_outputs_identical": same, "prompts": args.prompts, "new_tokens": args.new_tokens,
+        "greedy_outputs_identical": same,
+        # An under-trained model drifts into runs of spaces, which any draft predicts: report it.
+        "whitespace_fraction_of_output": sum(t in (9, 10, 32) for t in generated) / max(len(generated), 1),
+        "prompts": args.prompts, "new_tokens": args.new_tokens,
         "decode_threads": args.decode_threads, "mtp_loss_weight": args.mtp_loss_weight,
     }
     sample = bytes(b.new_tokens[0].tolist()).decode("utf-8", "replace")

@@ -60,3 +60,20 @@ def test_balance_loss_and_load_stats_in_forward(tiny_model):
     assert len(out.expert_load) == 3 + 3        # 3 MoE layers + the MTP block at 3 steps
     assert all(load.shape == (E,) and load.sum() == 2 * 50 * 2 for load in out.expert_load)
     assert out.losses["balance"] > 0
+
+
+def test_all_experts_decode_path_equals_expert_loop():
+    moe = _moe()
+    x = torch.randn(5, 128)
+    s, chosen, g = moe.gate(x)
+    loop = torch.zeros_like(x)
+    for n in range(5):  # the definition, token by token
+        for k in range(2):
+            e = int(chosen[n, k])
+            gate, up = (moe.experts.gate_up_proj[e] @ x[n]).chunk(2)
+            loop[n] += g[n, k] * (moe.experts.down_proj[e] @ (torch.nn.functional.silu(gate) * up))
+    assert 5 * 8 <= moe.experts.dense_max
+    assert torch.allclose(moe.experts(x, chosen, g), loop, atol=1e-5)            # all-experts path
+    big = x.repeat(4, 1)                                                         # 20 tokens: loop path
+    s2, c2, g2 = moe.gate(big)
+    assert torch.allclose(moe.experts(big, c2, g2), loop.repeat(4, 1), atol=1e-5)
