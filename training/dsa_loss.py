@@ -18,7 +18,7 @@ attention probabilities, dense attention for the warm-up, top-k for the sparse s
 feeds the indexer detached inputs (model/mla.py: x.detach(), q_lat.detach()) and returns the
 attention probabilities detached, so L_I trains only the indexer and the LM loss never reaches
 it (the top-k indices are integers). The MTP block's indexer is not covered: the model returns
-no attention probabilities for it, so run these stages with compute_mtp=False.
+no attention probabilities for it (out.mtp_indexer has scores but nothing to match).
 """
 
 from __future__ import annotations
