@@ -49,6 +49,10 @@ class ModelConfig(BaseModel):
     index_n_heads: int = Field(32, gt=0)
     index_head_dim: int = Field(128, gt=0)
     index_topk: int = Field(2048, gt=0)
+    # "deterministic": ties -> lower position (kernels.topk; bit-identical train/inference).
+    # "torch": torch.topk as transformers does; order among exactly tied scores unspecified. Use it
+    # only to reproduce transformers' selections (ReLU makes exact 0.0 ties common).
+    index_topk_method: Literal["deterministic", "torch"] = "deterministic"
 
     # ---- MoE ----
     n_routed_experts: int = Field(256, gt=0)

@@ -39,7 +39,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # Our fields transformers' config does not know: kept under one key so a round trip is lossless.
 EXTRA_KEY = "glmforge"
 EXTRA_FIELDS = ("mtp_depth", "mtp_loss_weight", "bias_update_rate", "seq_balance_alpha",
-                "dense_attention", "sliding_window", "attention_pattern")
+                "dense_attention", "sliding_window", "attention_pattern", "index_topk_method")
 
 
 # ---------------------------------------------------------------- config

@@ -50,3 +50,17 @@ class Indexer(nn.Module):
         # The fused kernel has no backward; the torch reference does (indexer training needs it).
         fn = indexer_scores_reference if torch.is_grad_enabled() and w.requires_grad else indexer_scores
         return fn(q, keys, w, causal_offset=past).masked_fill(~allowed, float("-inf"))
+
+
+def transformers_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """What transformers' GlmMoeDsaIndexer selects: torch.topk over scores whose masked entries
+    are finfo.min (its additive mask), not -inf. Same output format as kernels.topk:
+    [..., k] ascending positions, -1 for masked/empty slots. Tie order is torch.topk's."""
+    S = scores.shape[-1]
+    valid = scores != float("-inf")
+    idx = torch.where(valid, scores, torch.finfo(scores.dtype).min).topk(min(k, S), dim=-1).indices
+    idx = torch.where(valid.gather(-1, idx), idx, S).sort(-1).values
+    idx = torch.where(idx == S, -1, idx)
+    if idx.shape[-1] < k:
+        idx = torch.cat([idx, idx.new_full((*idx.shape[:-1], k - idx.shape[-1]), -1)], -1)
+    return idx

@@ -32,7 +32,7 @@ from kernels.topk import deterministic_topk
 from model.attention import AttnContext, dense_attention, head_summed_probs
 from model.cache import KVCache
 from model.config import ModelConfig
-from model.indexer import Indexer
+from model.indexer import Indexer, transformers_topk
 from model.norms import RMSNorm
 from model.rope import apply_rope
 
@@ -59,6 +59,7 @@ class MLA(nn.Module):
         self.H, self.N, self.R, self.V, self.C = (
             cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank)
         self.topk = cfg.index_topk
+        self.select = deterministic_topk if cfg.index_topk_method == "deterministic" else transformers_topk
         self.scale = cfg.qk_head_dim ** -0.5
         self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.latent_norm_eps)
@@ -95,7 +96,7 @@ class MLA(nn.Module):
         if self.indexer is not None and (sparse or want.indexer):
             with torch.set_grad_enabled(want.indexer and torch.is_grad_enabled()):
                 scores = self.indexer.scores(x.detach(), q_lat.detach(), ik, ctx.cos, ctx.sin, allowed, ctx.past)
-            indices = deterministic_topk(scores.detach(), self.topk)            # [B,T,K]
+            indices = self.select(scores.detach(), self.topk)                  # [B,T,K]
             if want.indexer:
                 idx_out = IndexerOut(scores, indices)
         if not sparse:
