@@ -161,6 +161,8 @@ class MixConfig(BaseModel):
     long_chars: int = Field(8000, ge=1)
     long_weight: float = Field(2.0, ge=0)
     min_chars: int = Field(0, ge=0, description="documents shorter than this are left out")
+    max_chars: int | None = Field(None, ge=1, description="cap on the characters packed (a seeded "
+                                  "sample of documents, before repetition); None = all")
     repo_level: bool = Field(True, description="concatenate a repository's files into one document")
 
     @model_validator(mode="after")

@@ -13,6 +13,7 @@ so a retried stage reuses it instead of packing again.
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from pathlib import Path
 from typing import Any
@@ -43,14 +44,21 @@ def pack_long(docs_dir: Path, tokenizer_dir: Path, out: Path, seq_len: int, mix:
     docs = list(iter_input_documents(Path(docs_dir)))
     if mix.repo_level:
         docs = repo_documents(docs)
+    if mix.max_chars is not None:
+        # A phase that trains on a few thousand sequences need not pack the whole corpus.
+        random.Random(seed).shuffle(docs)
     kept: list[Document] = []
     by_source: dict[str, float] = {}
+    chars = 0
     for d in docs:
         if len(d.text) < mix.min_chars:
             continue
         w = mix_weight(d, mix)
         if w <= 0:
             continue
+        if mix.max_chars is not None and chars >= mix.max_chars:
+            break
+        chars += len(d.text)
         kept.append(Document(d.id, d.text, d.source, {**d.metadata, "quality": {"weight": w}}))
         by_source[d.source] = by_source.get(d.source, 0.0) + w * len(d.text)
     if len(kept) < 2:

@@ -55,6 +55,14 @@ def _say(kind: str, payload: dict[str, Any]) -> None:
     print(f"{kind} {json.dumps(payload)}", flush=True)
 
 
+def skip_shm_comm_op() -> None:
+    """On CPU DeepSpeed JIT-compiles a shared-memory all-reduce (C++, ~30 s or minutes on a busy
+    machine, and a compiler on every node) the first time; gloo's collectives do the job."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def seed_everything(seed: int, deterministic: bool) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -99,6 +107,35 @@ def _sync_router_load(model: GLMModel) -> None:
             m.load_since_update.copy_(part)
 
 
+def train_step(engine, loader: PackedLoader, grad_accum: int, zero_stage: int, gamma: float,
+               device) -> tuple[dict[str, float], float | None, dict[str, float]]:
+    """One optimizer step: grad_accum micro-batches through the engine (DeepSpeed steps the
+    optimizer on the last), then the aux-loss-free router-bias update from the expert loads
+    of all micro-batches and ranks. Returns this rank's loss sums, the gradient norm and the
+    balance statistics."""
+    sums = {"loss": 0.0, "lm": 0.0, "mtp": 0.0, "balance": 0.0}
+    grad_norm = None
+    for micro in range(grad_accum):
+        b = {k: v.to(device) for k, v in loader.next_batch().items()}
+        out = engine(b["input_ids"], labels=b["labels"], doc_ids=b["doc_ids"])
+        engine.backward(out.loss)
+        if zero_stage == 0 and micro == grad_accum - 1:
+            # ZeRO-0 with a client optimizer does not report the norm; the gradients are
+            # whole and already averaged over ranks here, so take it before clipping.
+            grad_norm = _grad_norm(engine.module)
+        engine.step()
+        sums["loss"] += out.loss.item()
+        for k in ("lm", "mtp", "balance"):
+            sums[k] += out.losses[k].item() if k in out.losses else 0.0
+    if grad_norm is None:
+        # ZeRO 1/2: DeepSpeed's norm over the partitions (for deepspeed_muon, of the Muon
+        # update it has written there, not of the raw gradient)
+        grad_norm = engine.get_global_grad_norm()
+    _sync_router_load(engine.module)
+    balance = update_router_bias(engine.module, gamma)
+    return sums, None if grad_norm is None else float(grad_norm), balance
+
+
 def train(spec: dict[str, Any]) -> None:
     cfg = TrainConfig.model_validate(spec["train"])
     model_cfg = ModelConfig.model_validate(spec["model"])
@@ -109,6 +146,8 @@ def train(spec: dict[str, Any]) -> None:
     import deepspeed
 
     backend = cfg.launch.backend if cfg.launch.backend != "auto" else ("nccl" if cuda else "gloo")
+    if not cuda:
+        skip_shm_comm_op()
     deepspeed.init_distributed(dist_backend=backend)
     dist = _dist()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -155,32 +194,15 @@ def train(spec: dict[str, Any]) -> None:
         lr = cfg.lr * lr_factor(step, total, cfg.schedule, cfg.warmup_steps, cfg.min_lr_ratio, cfg.decay_fraction)
         set_lr(engine, lr)
         t0 = time.perf_counter()
-        sums = {"loss": 0.0, "lm": 0.0, "mtp": 0.0, "balance": 0.0}
-        grad_norm = None
-        for micro in range(cfg.grad_accum):
-            b = {k: v.to(device) for k, v in loader.next_batch().items()}
-            out = engine(b["input_ids"], labels=b["labels"], doc_ids=b["doc_ids"])
-            engine.backward(out.loss)
-            if cfg.zero_stage == 0 and micro == cfg.grad_accum - 1:
-                # ZeRO-0 with a client optimizer does not report the norm; the gradients are
-                # whole and already averaged over ranks here, so take it before clipping.
-                grad_norm = _grad_norm(engine.module)
-            engine.step()
-            sums["loss"] += out.loss.item()
-            for k in ("lm", "mtp", "balance"):
-                sums[k] += out.losses[k].item() if k in out.losses else 0.0
-        _sync_router_load(engine.module)
-        balance = update_router_bias(engine.module, gamma)
+        sums, grad_norm, balance = train_step(engine, loader, cfg.grad_accum, cfg.zero_stage, gamma, device)
         reduced = _all_reduce_sum(list(sums.values()))
         step += 1
         tokens += tokens_per_step
         dt = time.perf_counter() - t0
-        if grad_norm is None:
-            grad_norm = engine.get_global_grad_norm()
         if rank == 0:
             n = cfg.grad_accum * world
             rec = {"step": step, "tokens": tokens, **{k: v / n for k, v in zip(sums, reduced)}, "lr": lr,
-                   "grad_norm": None if grad_norm is None else float(grad_norm),
+                   "grad_norm": grad_norm,
                    "tokens_per_s": tokens_per_step / dt,
                    "expert_load_max_mean": 1.0 + balance["max_violation"]}
             metrics.append(log_path, rec)
