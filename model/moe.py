@@ -33,6 +33,15 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def _keep_fp32(module: nn.Module, apply, fn, recurse, name: str) -> nn.Module:
+    # model.to(bfloat16) must not round these buffers: steps of gamma = 1e-3 vanish in bf16,
+    # and token counts above 256 stop being exact. Device moves still apply.
+    saved = getattr(module, name).float().clone()
+    apply(fn, recurse)
+    setattr(module, name, saved.to(getattr(module, name).device))
+    return module
+
+
 class Router(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -40,6 +49,9 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
         # A buffer, not a parameter: the optimiser never touches it, update_router_bias does.
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
+
+    def _apply(self, fn, recurse=True):
+        return _keep_fp32(self, super()._apply, fn, recurse, "e_score_correction_bias")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N,D] -> (affinities s [N,E] fp32, chosen [N,K] long, gates [N,K] fp32)."""
@@ -96,6 +108,9 @@ class MoE(nn.Module):
             if cfg.n_shared_experts > 0 else None
         # Tokens routed to each expert since the last update_router_bias (training only).
         self.register_buffer("load_since_update", torch.zeros(cfg.n_routed_experts), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        return _keep_fp32(self, super()._apply, fn, recurse, "load_since_update")
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         """x [B,T,D], token_mask [B,T] bool (False = padding) -> (y [B,T,D], stats).

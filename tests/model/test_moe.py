@@ -77,3 +77,16 @@ def test_all_experts_decode_path_equals_expert_loop():
     big = x.repeat(4, 1)                                                         # 20 tokens: loop path
     s2, c2, g2 = moe.gate(big)
     assert torch.allclose(moe.experts(big, c2, g2), loop.repeat(4, 1), atol=1e-5)
+
+
+def test_router_bias_stays_fp32_under_bf16():
+    from model.model import GLMModel
+    m = GLMModel(preset("tiny")).to(torch.bfloat16).train()
+    moe = m.layers[1].mlp
+    assert moe.gate.weight.dtype == torch.bfloat16
+    assert moe.gate.e_score_correction_bias.dtype == torch.float32 and moe.load_since_update.dtype == torch.float32
+    x = torch.randint(0, 8192, (1, 40))
+    m(x[:, :-1], labels=x[:, 1:]).loss.backward()
+    update_router_bias(m, 1e-3)   # a 1e-3 step survives (it would round away in bf16 at |b| >= 0.5)
+    b = moe.gate.e_score_correction_bias
+    assert b.abs().max() > 0 and torch.all((b == 0) | torch.isclose(b.abs(), torch.tensor(1e-3)))
