@@ -94,25 +94,36 @@ class _Haystack:
         base = self.n_tokens(" " + _assemble([], needles, depths, question))
         if base > length * (1 - LENGTH_TOLERANCE):
             raise ValueError(f"length {length} is too short: needles and question alone take {base} tokens")
+        # Enough consecutive sentences to overshoot (by the per-sentence counts), plus one more
+        # in case those counts run a little high.
         n = len(self.sentences)
-        k, total, filler = rng.randrange(n), base, []
-        while total + self.counts[k % n] <= length:
-            filler.append(self.sentences[k % n])
+        k, total, words = rng.randrange(n), base, []
+        while total <= length:
+            words.append(self.sentences[k % n].split())
             total += self.counts[k % n]
             k += 1
-        words = self.sentences[k % n].split()     # top up with a prefix of the next sentence
-        for m in range(len(words) - 1, 0, -1):
-            if total + self.n_tokens(" " + " ".join(words[:m])) <= length:
-                filler.append(" ".join(words[:m]))
-                break
-        prompt = _assemble(filler, needles, depths, question)
+        words.append(self.sentences[k % n].split())
+
+        def build(m: int) -> str:
+            """The prompt with the first m filler words (sentence boundaries kept)."""
+            filler, left = [], m
+            for w in words:
+                if left <= 0:
+                    break
+                filler.append(" ".join(w[:left]))
+                left -= len(w)
+            return _assemble(filler, needles, depths, question)
+
+        # Tokens grow with every added word: bisect on the real count for the most that fit.
+        lo, hi = 0, sum(len(w) for w in words)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.n_tokens(build(mid)) <= length:
+                lo = mid
+            else:
+                hi = mid - 1
+        prompt = build(lo)
         got = self.n_tokens(prompt)
-        while got > length and filler:            # the counts are off by a token or two: trim words
-            words = filler.pop().split()[:-1]
-            if words:
-                filler.append(" ".join(words))
-            prompt = _assemble(filler, needles, depths, question)
-            got = self.n_tokens(prompt)
         assert abs(got - length) <= LENGTH_TOLERANCE * length, (got, length)
         return prompt, got
 

@@ -62,7 +62,15 @@ def test_lengths_within_five_percent(tokenizer, suite):
     for ex in suite:
         n = len(tokenizer.encode(ex.prompt).ids)
         assert n == ex.n_tokens
-        assert abs(n - ex.length) <= 0.05 * ex.length, (ex.task, ex.length, n)
+        assert ex.length * 0.95 <= n <= ex.length, (ex.task, ex.length, n)
+
+
+def test_odd_lengths_within_five_percent(tokenizer, shakespeare):
+    examples = generate_suite(tokenizer, [160, 199, 300, 777], 8, seed=3, filler_texts=[shakespeare],
+                              tasks=("single_key", "multi_key"))
+    for ex in examples:
+        assert ex.n_tokens == len(tokenizer.encode(ex.prompt).ids)
+        assert ex.length * 0.95 <= ex.n_tokens <= ex.length, (ex.task, ex.length, ex.n_tokens)
 
 
 def test_filler_is_corpus_text(suite, shakespeare):
