@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -59,7 +60,7 @@ def train(model: GLMModel, data: torch.Tensor, seconds: float, seq_len: int, bat
         losses.append(out.losses["lm"].item())
         if step % 20 == 0:
             print(f"step {step:4d}  lm {out.losses['lm'].item():.3f}  mtp {out.losses['mtp'].item():.3f}"
-                  f"  {time.time() - t0:5.1f}s", flush=True)
+                  f"  {time.time() - t0:5.1f}s", file=sys.stderr, flush=True)
         step += 1
     model.eval()
     return losses
@@ -142,7 +143,7 @@ def main() -> None:
     }
     sample = bytes(b.new_tokens[0].tolist()).decode("utf-8", "replace")
     if args.json:
-        print(json.dumps(res, indent=2))
+        print(json.dumps({**res, "sample": sample}, indent=2))
     else:
         for k, v in res.items():
             print(f"{k:32s} {v:.3f}" if isinstance(v, float) else f"{k:32s} {v}")
