@@ -44,18 +44,18 @@ def pack_long(docs_dir: Path, tokenizer_dir: Path, out: Path, seq_len: int, mix:
     docs = list(iter_input_documents(Path(docs_dir)))
     if mix.repo_level:
         docs = repo_documents(docs)
+    weighted = [(d, mix_weight(d, mix)) for d in docs if len(d.text) >= mix.min_chars]
+    weighted = [(d, w) for d, w in weighted if w > 0]
     if mix.max_chars is not None:
-        # A phase that trains on a few thousand sequences need not pack the whole corpus.
-        random.Random(seed).shuffle(docs)
+        # A phase that trains on a few thousand sequences need not pack the whole corpus: keep a
+        # seeded weighted sample (Efraimidis-Spirakis: order by u^(1/w)), so heavily weighted
+        # documents are the likeliest to stay, up to max_chars characters.
+        rng = random.Random(seed)
+        weighted.sort(key=lambda dw: rng.random() ** (1.0 / dw[1]), reverse=True)
     kept: list[Document] = []
     by_source: dict[str, float] = {}
     chars = 0
-    for d in docs:
-        if len(d.text) < mix.min_chars:
-            continue
-        w = mix_weight(d, mix)
-        if w <= 0:
-            continue
+    for d, w in weighted:
         if mix.max_chars is not None and chars >= mix.max_chars:
             break
         chars += len(d.text)

@@ -45,7 +45,8 @@ def _dist():
 
 
 def _all_reduce_sum(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
+    # NCCL reduces device tensors only; gloo host tensors
+    t = torch.tensor(values, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
     if _dist().get_world_size() > 1:
         _dist().all_reduce(t)
     return t.tolist()
@@ -78,7 +79,9 @@ def evaluate(model: GLMModel, dataset: PackedDataset, micro_batch_size: int, max
     was_training = model.training
     model.eval()
     nll, count = 0.0, 0
+    device = next(model.parameters()).device
     for b in eval_batches(dataset, micro_batch_size, max_sequences, rank, world):
+        b = {k: v.to(device) for k, v in b.items()}
         out = model(b["input_ids"], labels=b["labels"], doc_ids=b["doc_ids"], compute_mtp=False)
         n = int((b["labels"] != -100).sum())
         nll += out.losses["lm"].item() * n
@@ -91,9 +94,12 @@ def evaluate(model: GLMModel, dataset: PackedDataset, micro_batch_size: int, max
 
 
 @torch.no_grad()
-def _grad_norm(model: torch.nn.Module) -> float:
+def _grad_norm(model: torch.nn.Module) -> float | None:
+    """Global L2 norm of the module's gradients; None where DeepSpeed keeps them elsewhere."""
     grads = [p.grad.float() for p in model.parameters() if p.grad is not None]
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+    if not grads:
+        return None
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
 
 
 def _sync_router_load(model: GLMModel) -> None:

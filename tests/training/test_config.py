@@ -112,3 +112,22 @@ def test_stage_registry():
     assert by["context-2"].parents == ("context-1", "decontaminate", "tokenize")
     assert all(by[f"context-{k}"].config_cls is ContextConfig for k in (1, 2, 3))
     assert len({s.section for s in STAGES}) == 4
+
+
+def test_long_context_packing_keeps_the_favoured_sources_under_a_cap(packed, tmp_path):
+    from data_processing.document import ShardWriter
+    from data_processing.packing import PackedDataset
+    from tests.training.conftest import stdlib_docs
+    from training.longdata import MARKER, pack_long
+
+    docs = stdlib_docs(30)
+    threads = [Document(f"pr-{i}", d.text, "issue-pr") for i, d in enumerate(docs[:2])]
+    w = ShardWriter(tmp_path / "docs", 100)
+    w.write_all(threads + docs[2:])
+    w.close()
+    mix = MixConfig(sources={"issue-pr": 50.0}, default_weight=1.0, long_weight=1.0, max_chars=20_000)
+    meta = pack_long(tmp_path / "docs", packed["tokenize"], tmp_path / "out", 128, mix, 0.2, seed=3)
+    assert meta["mix_chars_share"]["issue-pr"] > 0.5 and meta["documents_in_mix"] < 30
+    assert PackedDataset(tmp_path / "out", "train").seq_len == 128 and (tmp_path / "out" / MARKER).exists()
+    again = pack_long(tmp_path / "docs", packed["tokenize"], tmp_path / "out", 128, mix, 0.2, seed=3)
+    assert again == meta                                             # a retry reuses the packed data

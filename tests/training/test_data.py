@@ -95,3 +95,14 @@ def test_real_packed_shards(packed):
     ids = b["doc_ids"][0].tolist()
     assert all(ids[s] == ids[s - 1] + 1 for s in starts if s > 0)  # a new id at every document start
     assert len(set(ids)) == len(starts)
+
+
+def test_store_backed_shards_give_the_same_batches(packed):
+    from glmforge.store import LocalStore
+
+    local = PackedDataset(packed["pack"], "train")
+    remote = PackedDataset((LocalStore(packed["pack"].parent), "pack"), "train")   # byte-range reads
+    a, b = PackedLoader(local, 3, rank=1, world=2, seed=4), PackedLoader(remote, 3, rank=1, world=2, seed=4)
+    for _ in range(3):
+        x, y = a.next_batch(), b.next_batch()
+        assert all(x[k].equal(y[k]) for k in x)
