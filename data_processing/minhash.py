@@ -24,6 +24,7 @@ highest quality score (metadata["quality"]["score"], 0 when absent), ties -> the
 from __future__ import annotations
 
 import os
+import re
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Literal, Sequence
@@ -44,6 +45,10 @@ _SHINGLE_BASE = np.uint64(0x9E3779B97F4A7C15)
 class MinHashConfig(StepConfig):
     shingle: Literal["word", "char"] = "word"
     ngram: int = Field(default=5, ge=1, description="words (or characters) per shingle")
+    # datatrove maps every number to "0" before shingling; off by default because documents
+    # that differ only in their numbers (GSM8K problems from one template, version tables) are
+    # different data, not duplicates
+    norm_numbers: bool = False
     bands: int = Field(default=14, ge=1)
     rows: int = Field(default=8, ge=1)
     verify_threshold: float | None = Field(default=0.7, ge=0.0, le=1.0)
@@ -120,9 +125,14 @@ def _char_hashes(text: str) -> np.ndarray:
     return np.frombuffer(t.encode("utf-32-le"), dtype=np.uint32).astype(np.uint64) * _WORD_BASE
 
 
-def shingle_hashes(text: str, shingle: str = "word", ngram: int = 5) -> np.ndarray:
+_NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+
+
+def shingle_hashes(text: str, shingle: str = "word", ngram: int = 5, norm_numbers: bool = False) -> np.ndarray:
     """Unique 64-bit hashes of the document's n-gram shingles. A document shorter than n units
     is one shingle of all its units (so short documents still dedup against each other)."""
+    if norm_numbers:
+        text = _NUMBER.sub("0", text)
     units = _word_hashes(text) if shingle == "word" else _char_hashes(text)
     if units.size == 0:
         return units
@@ -162,14 +172,14 @@ def text_signatures(texts: Sequence[str], cfg: MinHashConfig) -> np.ndarray:
     a, b = permutations(cfg.num_perm, cfg.seed)
     out = np.empty((len(texts), cfg.num_perm), dtype=np.uint32)
     for i, t in enumerate(texts):
-        out[i] = signature(shingle_hashes(t, cfg.shingle, cfg.ngram), a, b)
+        out[i] = signature(shingle_hashes(t, cfg.shingle, cfg.ngram, cfg.norm_numbers), a, b)
     return out
 
 
 def _datasketch_signatures(texts: Sequence[str], cfg: MinHashConfig) -> np.ndarray:
     from datasketch import MinHash
 
-    sets = [[int(h).to_bytes(8, "little") for h in shingle_hashes(t, cfg.shingle, cfg.ngram)] for t in texts]
+    sets = [[int(h).to_bytes(8, "little") for h in shingle_hashes(t, cfg.shingle, cfg.ngram, cfg.norm_numbers)] for t in texts]
     out = np.empty((len(texts), cfg.num_perm), dtype=np.uint32)
     for i, m in enumerate(MinHash.bulk(sets, num_perm=cfg.num_perm, seed=cfg.seed)):
         out[i] = m.hashvalues.astype(np.uint32)  # datasketch hash values are < 2^32
