@@ -163,3 +163,26 @@ def test_minhash_resumes_from_per_shard_signature_checkpoints(tmp_path):
     wd.out.mkdir()
     m2 = minhash.run(MinHashConfig(), {"p": src}, wd)
     assert m2["removed"] == m1["removed"] + 1
+
+
+def test_number_normalisation_is_opt_in():
+    """A real GSM8K solution with every number changed: different data by default, a
+    duplicate under datatrove-style normalisation (numbers -> 0)."""
+    import re as _re
+
+    from .conftest import gsm8k_records
+
+    a = " ".join(r["question"] + " " + r["answer"] for r in gsm8k_records(3))
+    b = _re.sub(r"\d+", lambda m: str(int(m.group()) + 7), a)
+    default, normed = MinHashConfig(), MinHashConfig(norm_numbers=True)
+    sd, sn = text_signatures([a, b], default), text_signatures([a, b], normed)
+    assert (sd[0] == sd[1]).mean() < 0.6
+    assert (sn[0] == sn[1]).mean() == 1.0
+
+
+def test_char_shingles_catch_small_edits():
+    a = stdlib_docs(1)[0].text
+    b = edit_words(a, 0.01, random.Random(1))
+    cfg = MinHashConfig(shingle="char", ngram=5, bands=26, rows=11)  # OLMo-3 / Marin setting
+    s = text_signatures([a, b, stdlib_docs(2)[1].text], cfg)
+    assert (s[0] == s[1]).mean() > 0.8 and (s[0] == s[2]).mean() < 0.5
