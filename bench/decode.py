@@ -77,6 +77,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--train-threads", type=int, default=1)
     ap.add_argument("--decode-threads", type=int, default=1)
+    ap.add_argument("--draft-threshold", type=float, default=0.0,
+                    help="stop drafting when the draft's probability falls below this (0 = always 3)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and decoder (best kept)")
     ap.add_argument("--mtp-loss-weight", type=float, default=1.0,
                     help="lambda of the MTP loss while training (the draft quality is what is measured)")
@@ -120,7 +122,8 @@ def main() -> None:
             a = generate(model, p, args.new_tokens, greedy=True)
             tp.append(time.perf_counter() - t)
             t = time.perf_counter()
-            b = speculative_generate(model, p, args.new_tokens, greedy=True, num_draft=3)
+            b = speculative_generate(model, p, args.new_tokens, greedy=True, num_draft=3,
+                                     draft_threshold=args.draft_threshold)
             ts.append(time.perf_counter() - t)
         plain_t += min(tp)
         spec_t += min(ts)
@@ -135,6 +138,7 @@ def main() -> None:
         "plain_tokens_per_s": n_plain / plain_t, "speculative_tokens_per_s": n_spec / spec_t,
         "speedup": (n_spec / spec_t) / (n_plain / plain_t),
         "mean_acceptance_length": sum(acc) / len(acc), "draft_tokens": 3,
+        "draft_threshold": args.draft_threshold,
         "greedy_outputs_identical": same,
         # An under-trained model drifts into runs of spaces, which any draft predicts: report it.
         "whitespace_fraction_of_output": sum(t in (9, 10, 32) for t in generated) / max(len(generated), 1),

@@ -47,7 +47,11 @@ def _dist(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tenso
 def speculative_generate(model: GLMModel, input_ids: torch.Tensor, max_new_tokens: int, *,
                          num_draft: int | None = None, greedy: bool = True, temperature: float = 1.0,
                          top_p: float = 1.0, generator: torch.Generator | None = None,
-                         seed: int | None = None, eos_token_id: int | None = None) -> SpecGeneration:
+                         seed: int | None = None, eos_token_id: int | None = None,
+                         draft_threshold: float = 0.0) -> SpecGeneration:
+    """input_ids [1,T0] -> SpecGeneration. Drafts up to num_draft (default mtp_depth) tokens
+    per cycle; drafting stops early once the draft's probability for its token falls below
+    draft_threshold (cheaper cycles when the MTP is unsure; the output is unchanged)."""
     _check(temperature, top_p, greedy, max_new_tokens)
     if model.mtp is None:
         raise ValueError("speculative decoding needs a model with an MTP module (mtp_depth > 0)")
@@ -93,11 +97,14 @@ def speculative_generate(model: GLMModel, input_ids: torch.Tensor, max_new_token
                 h, logits = model.mtp_step(hid[k - 1][:, start:n], ids, c, pos)
                 hid[k] = torch.cat([hid[k][:, :start], h], 1)
                 if greedy:
-                    drafts.append(int(logits[0, -1].argmax()))
+                    q = logits[0, -1].float().softmax(-1)
+                    drafts.append(int(q.argmax()))
                 else:
                     q = _dist(logits[0, -1], temperature, top_p)
                     drafts.append(int(torch.multinomial(q, 1, generator=generator)))
                     qs.append(q)
+                if float(q[drafts[-1]]) < draft_threshold:
+                    break
             for k in range(1, D + 1):                        # keep entries whose inputs are accepted
                 keep = max(n - k + 1, 0)
                 mtp_caches[k - 1].truncate(keep)

@@ -50,6 +50,8 @@ def test_speculative_greedy_equals_plain_greedy(small_topk_model):
     assert torch.equal(spec.tokens, plain.tokens)
     assert (spec.logprobs - plain.logprobs).abs().max() < 1e-4
     assert 1.0 <= spec.mean_acceptance_length <= 4.0
+    early = speculative_generate(small_topk_model, x, 30, greedy=True, draft_threshold=0.5)
+    assert torch.equal(early.tokens, plain.tokens)
 
 
 def test_speculative_sampling_runs_and_validates():
