@@ -21,13 +21,20 @@ def _eval() -> None:
 
 
 def resolve_model_dir(ref: str | Path) -> Path:
-    """A model reference -> a local checkpoint directory. Today only existing directories;
-    store artifact references are resolved here later."""
+    """A model reference -> a local HF-format checkpoint directory: an existing directory, or a
+    store artifact (`STAGE/KEY`, `STAGE` = its key in the latest run, or a full artifact URI)
+    whose files hold the model at the top or under `hf/`."""
+    from glmforge.artifacts import materialize, parse_uri
+
     p = Path(ref)
-    if p.is_dir():
+    if p.is_dir() and parse_uri(str(ref)) is None:
         return p
-    raise ValueError(f"model reference {str(ref)!r} is not an existing directory "
-                     "(store artifact references are not supported yet)")
+
+    local = materialize(str(ref))
+    for candidate in (local, local / "hf"):
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise ValueError(f"artifact {ref!r} holds no model (no config.json at its top or under hf/)")
 
 
 def _fail(msg: str) -> None:

@@ -14,7 +14,13 @@ def _curation() -> list[StageSpec]:
     return [s for s in curation if s.name != "ingest"]
 
 
-STAGES: list[StageSpec] = [INGEST, *_curation()]
+def _training() -> list[StageSpec]:
+    from training.stages import STAGES as training
+
+    return list(training)
+
+
+STAGES: list[StageSpec] = [INGEST, *_curation(), *_training()]
 STAGE_NAMES = [s.name for s in STAGES]
 BY_NAME = {s.name: s for s in STAGES}
 

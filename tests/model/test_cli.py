@@ -53,7 +53,21 @@ def test_export_then_perplexity(tmp_path, quiet_transformers):
     assert r.exit_code != 0 and "tokenizer.json" in r.output
 
 
-def test_resolve_model_dir(tmp_path):
+def test_resolve_model_dir(tmp_path, monkeypatch):
+    from glmforge.store import LocalStore
+
     assert resolve_model_dir(tmp_path) == tmp_path
-    with pytest.raises(ValueError, match="not an existing directory"):
-        resolve_model_dir(tmp_path / "missing")
+    monkeypatch.setenv("GLMFORGE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("GLMFORGE_STORE", str(tmp_path / "store"))
+    with pytest.raises(ValueError, match="no artifact of stage 'missing'"):
+        resolve_model_dir("missing")
+    art = tmp_path / "art"
+    (art / "hf").mkdir(parents=True)
+    (art / "hf" / "config.json").write_text("{}")
+    m = LocalStore(tmp_path / "store").publish("pretrain", "k1", art)
+    resolved = resolve_model_dir("pretrain/k1")
+    assert resolved.name == "hf" and (resolved / "config.json").read_text() == "{}"
+    assert resolve_model_dir(LocalStore(tmp_path / "store").artifact_uri("pretrain", "k1")) == resolved
+    with pytest.raises(ValueError, match="no published artifact pretrain/nope"):
+        resolve_model_dir("pretrain/nope")
+    assert m.files
