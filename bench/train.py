@@ -15,7 +15,7 @@ attention at the mean causal context, DSA top-k; MTP not counted: a lower bound)
 
     python bench/train.py                       # tiny model, synthetic tokens
     python bench/train.py --pack DIR            # batches from a packed dataset (pack artifact)
-    python bench/train.py --steps 30 --hidden 64 --seq-len 256 --batch 4
+    python bench/train.py --steps 30 --rounds 5 --threads 2 --hidden 64 --seq-len 256 --batch 4
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ import torch  # noqa: E402
 
 
 def matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """Best-of fp32 GEMM rate with the same thread count as the training steps."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b                                                           # warm-up
     best = min(_timed(lambda: a @ b) for _ in range(repeats))
@@ -86,8 +87,8 @@ def plain_step(model, opt, loader, clip: float, gamma: float) -> None:
     update_router_bias(model, gamma)
 
 
-def run(setup: str, args, dataset, mcfg) -> list[float]:
-    """Seconds per step of `args.steps` steps after `args.warmup` warm-up steps."""
+def make_step(setup: str, args, dataset, mcfg):
+    """A closure running one training step of `setup` on its own model (same init, same data)."""
     from model.model import GLMModel
     from training.config import TrainConfig
     from training.data import PackedLoader
@@ -104,13 +105,23 @@ def run(setup: str, args, dataset, mcfg) -> list[float]:
     if setup.startswith("plain"):
         opt = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, num_heads=mcfg.num_heads) if muon \
             else torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas)
-        step = lambda: plain_step(model, opt, loader, cfg.grad_clip, mcfg.bias_update_rate)  # noqa: E731
-    else:
-        engine = build_engine(model, cfg, cuda=False)
-        step = lambda: train_step(engine, loader, 1, cfg.zero_stage, mcfg.bias_update_rate, "cpu")  # noqa: E731
-    for _ in range(args.warmup):
-        step()
-    return [_timed(step) for _ in range(args.steps)]
+        return lambda: plain_step(model, opt, loader, cfg.grad_clip, mcfg.bias_update_rate)
+    engine = build_engine(model, cfg, cuda=False)
+    return lambda: train_step(engine, loader, 1, cfg.zero_stage, mcfg.bias_update_rate, "cpu")
+
+
+def compare(pair: tuple[str, str], args, dataset, mcfg) -> dict[str, list[float]]:
+    """Seconds per step of both setups, in alternating rounds so that a change in machine load
+    (this machine is shared) hits both alike."""
+    steps = {s: make_step(s, args, dataset, mcfg) for s in pair}
+    for s in pair:
+        for _ in range(args.warmup):
+            steps[s]()
+    times: dict[str, list[float]] = {s: [] for s in pair}
+    for _ in range(args.rounds):
+        for s in pair:
+            times[s] += [_timed(steps[s]) for _ in range(args.steps // args.rounds)]
+    return times
 
 
 def main() -> None:
@@ -123,7 +134,8 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--rounds", type=int, default=5, help="alternations of the two setups")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (a torchrun rank has 1)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
@@ -150,12 +162,11 @@ def main() -> None:
     flops_tok = 3 * flops_per_token(mcfg, context=args.seq_len // 2, sparse=True)
     tokens = args.batch * args.seq_len
     rows = {}
-    # interleave plain / deepspeed so a change in machine load hits both alike
     for pair in (("plain muon_split", "deepspeed zero0 muon_split"), ("plain adamw", "deepspeed zero2 adamw")):
-        for setup in pair:
-            secs = statistics.median(run(setup, args, dataset, mcfg))
-            rows[setup] = {"s_per_step": secs, "tokens_per_s": tokens / secs,
-                           "mfu": flops_tok * tokens / secs / (peak * 1e9)}
+        for setup, secs in compare(pair, args, dataset, mcfg).items():
+            med = statistics.median(secs)
+            rows[setup] = {"s_per_step": med, "tokens_per_s": tokens / med,
+                           "mfu": flops_tok * tokens / med / (peak * 1e9)}
     result = {
         "threads": args.threads, "matmul_peak_gflops": peak, "params": param_counts(mcfg).total_with_mtp,
         "train_flops_per_token": flops_tok, "batch": args.batch, "seq_len": args.seq_len, "setups": rows,
