@@ -150,9 +150,11 @@ class PretrainConfig(TrainConfig):
 
 
 class MixConfig(BaseModel):
-    """Sampling weights of the long-context mix: a document is repeated weight times (floor,
-    plus one more with probability frac), weight = source weight (default_weight when its source
-    is not listed) times long_weight when it has at least long_chars characters."""
+    """Sampling weights of the long-context mix: weight = quality weight x source weight
+    (default_weight when its source is not listed) x long_weight when the document has at least
+    long_chars characters. Under max_chars, documents are sampled in proportion to it; each kept
+    document is repeated min(weight, max_repeats) times (floor, plus one more with probability
+    frac)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -163,6 +165,7 @@ class MixConfig(BaseModel):
     min_chars: int = Field(0, ge=0, description="documents shorter than this are left out")
     max_chars: int | None = Field(None, ge=1, description="cap on the characters packed (a seeded "
                                   "sample of documents, before repetition); None = all")
+    max_repeats: float = Field(4.0, ge=1, description="a document is repeated at most this many times")
     repo_level: bool = Field(True, description="concatenate a repository's files into one document")
 
     @model_validator(mode="after")

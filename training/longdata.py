@@ -4,8 +4,9 @@ The mix favours what long contexts are for: repository-level code (a repository'
 concatenated, data_processing.packing.repo_documents), issue-PR threads and long documents.
 Each document gets a sampling weight = its quality weight (from the quality stage, 1 if none)
 x the weight of its `source` (mix.sources, else mix.default_weight) x mix.long_weight when it
-has at least mix.long_chars characters; data_processing.packing.pack then repeats it by that
-weight, shuffles and packs seq_len windows (with a held-out split, never up-sampled).
+has at least mix.long_chars characters. Under mix.max_chars a weighted sample is kept;
+data_processing.packing.pack then repeats each document min(weight, mix.max_repeats) times,
+shuffles and packs seq_len windows (with a held-out split, never up-sampled).
 
 The packed data lives in the stage's checkpoint directory with a PACKED marker written last,
 so a retried stage reuses it instead of packing again.
@@ -59,8 +60,9 @@ def pack_long(docs_dir: Path, tokenizer_dir: Path, out: Path, seq_len: int, mix:
         if mix.max_chars is not None and chars >= mix.max_chars:
             break
         chars += len(d.text)
-        kept.append(Document(d.id, d.text, d.source, {**d.metadata, "quality": {"weight": w}}))
-        by_source[d.source] = by_source.get(d.source, 0.0) + w * len(d.text)
+        repeats = min(w, mix.max_repeats)
+        kept.append(Document(d.id, d.text, d.source, {**d.metadata, "quality": {"weight": repeats}}))
+        by_source[d.source] = by_source.get(d.source, 0.0) + repeats * len(d.text)
     if len(kept) < 2:
         raise ValueError(f"the long-context mix keeps {len(kept)} document(s) of {len(docs)}: "
                          "lower mix.min_chars or raise the source weights")
