@@ -105,7 +105,7 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
 
 
 def indexer_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int,
-                 causal_offset: int = 0, chunk: int = 1024) -> torch.Tensor:
+                 causal_offset: int = 0, chunk: int = 256) -> torch.Tensor:
     """Top-k key positions per query, (B, T, topk) long, -1 for empty slots.
 
     Scores are computed `chunk` queries at a time and reduced to indices immediately. Keys
@@ -116,11 +116,12 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int,
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
     T, S = q.shape[1], k.shape[1]
     out = []
-    for t0 in range(0, T, chunk):
-        t1 = min(t0 + chunk, T)
-        s1 = min(S, t1 + causal_offset)                        # keys visible to the chunk
-        scores = indexer_scores(q[:, t0:t1], k[:, :s1], w[:, t0:t1], causal_offset + t0)
-        out.append(deterministic_topk(scores, topk))           # (B, C, topk), positions < s1
+    with torch.no_grad():                                      # indices carry no gradient
+        for t0 in range(0, T, chunk):
+            t1 = min(t0 + chunk, T)
+            s1 = min(S, t1 + causal_offset)                    # keys visible to the chunk
+            scores = indexer_scores(q[:, t0:t1], k[:, :s1], w[:, t0:t1], causal_offset + t0)
+            out.append(deterministic_topk(scores, topk))       # (B, C, topk), positions < s1
     if not out:
         return torch.empty(q.shape[0], 0, topk, dtype=torch.long, device=q.device)
     return torch.cat(out, dim=1)

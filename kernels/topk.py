@@ -11,7 +11,8 @@ ReLU makes whole plateaus of keys score exactly 0.0. This module pins the select
 Three implementations give bit-identical indices:
 - `topk_reference`: the definition, a stable sort over the whole row (O(S log S)).
 - `topk_torch`: the CPU path. torch.topk only finds the k-th largest *value* (ties cannot change
-  a value); positions are then picked with masks and a cumulative sum, which is deterministic.
+  a value); positions above it are taken, tied positions in order of position (a cumulative
+  sum ranks them), and `nonzero` reads the taken positions out in ascending order.
 - `topk_triton`: one program per row. A 32-step bisection over the order-preserving integer key
   of float32 finds the k-th largest value, then one pass writes the selected positions in
   ascending order.

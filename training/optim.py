@@ -24,10 +24,13 @@ lr and weight decay (Moonlight).
 
 `MuonWithAdamW` is one torch.optim.Optimizer holding both families (a param group's
 "algorithm" is "muon" or "adamw"), so a trainer, a checkpoint and an LR scheduler see a single
-optimizer. Under DeepSpeed it works as a client optimizer at ZeRO stage 0 without bf16/fp16
-wrapping; ZeRO 1-3 and DeepSpeed's BF16 optimizer hand the optimizer flattened 1-D partitions,
-which Muon cannot orthogonalise, so `step` raises a ValueError for them rather than silently
-degrading to SGD.
+optimizer. DeepSpeed 0.19.8 takes it as `deepspeed.initialize(optimizer=...)` at ZeRO stage 0:
+in fp32 the steps are bit-identical to plain torch; with bf16 on, DeepSpeed wraps it in an
+unfused mixed-precision optimizer that keeps per-parameter fp32 masters, so Muon still sees
+matrices. ZeRO 1 and 2 (which also need "zero_allow_untested_optimizer": true) hand the
+optimizer flattened 1-D partitions, which Muon cannot orthogonalise, so `step` raises a
+ValueError rather than silently degrading to SGD. (DeepSpeed's own Muon integration is tied to
+its MuonWithAuxAdam class and Keller's update, without Muon Split.)
 """
 
 import math
@@ -82,8 +85,8 @@ def _muon_group_step(state: dict, group: dict) -> None:
             continue
         if p.dim() < 2:
             raise ValueError(f"Muon got a parameter of shape {tuple(p.shape)}: it needs matrices "
-                             "(a flattened ZeRO/BF16 partition cannot be orthogonalised; use "
-                             "ZeRO stage 0 without bf16/fp16 wrapping)")
+                             "(a flattened ZeRO partition cannot be orthogonalised; use "
+                             "DeepSpeed ZeRO stage 0)")
         st = state[p]
         if "momentum_buffer" not in st:
             st["momentum_buffer"] = torch.zeros_like(p.grad)

@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 def run_interpreted(module: str, function: str, timeout: float = 120) -> None:
     """Import `module` and call `function()` under TRITON_INTERPRET=1; fail with its stderr."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    # one thread: the interpreter runs tiny numpy ops, where a thread pool only adds waiting
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     code = f"from {module} import {function}; {function}()"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)

@@ -60,13 +60,14 @@ def test_bad_k():
 def _triton_check():
     require_interpreter()
     from kernels.topk import topk_triton
+    # several blocks per row, S < k, k == S, k == 1; ties and -inf throughout
     for i, (shape, k, block) in enumerate([((4, 50), 7, 16), ((2, 3, 33), 33, 16),
-                                           ((3, 20), 30, 8), ((2, 64), 64, 64), ((3, 100), 1, 32)]):
+                                           ((3, 20), 30, 8), ((3, 100), 1, 32)]):
         x = _plateau_scores(shape, seed=i)
-        ref = topk_reference(x, k)
-        for _ in range(2):
-            out = topk_triton(x, k, block=block)
-            assert torch.equal(out, ref), (shape, k, out, ref)
+        out = topk_triton(x, k, block=block)
+        assert torch.equal(out, topk_reference(x, k)), (shape, k)
+        if i == 0:
+            assert torch.equal(topk_triton(x, k, block=block), out)  # and again
 
 
 def test_triton_matches_reference_under_interpreter():
