@@ -9,7 +9,7 @@ measurement runs in one process on one core; datatrove runs with tasks=1, worker
 datatrove lives in its own environment (it pins xxhash<4 and pulls spaCy), never in the
 project's. Once:
 
-    python3 -m venv /tmp/bench-venv
+    python3 -m venv /tmp/bench-venv --system-site-packages    # the system Python, not .venv
     /tmp/bench-venv/bin/pip install -r bench/requirements-curation.txt
 
 Then, from the repository root, with the project's environment:
