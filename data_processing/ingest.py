@@ -49,6 +49,9 @@ class SourceConfig(BaseModel):
     max_documents: int | None = Field(default=None, gt=0)
     max_file_bytes: int = Field(default=1_000_000, gt=0, description="text files above this go to quarantine")
     split_on: str | None = Field(default=None, description="plain text: split each file into records at this separator")
+    repo: str | None = Field(
+        default=None, description="the files are one code repository: metadata gets repo and path (repo-level packing)"
+    )
 
     @field_validator("name")
     @classmethod
@@ -287,6 +290,8 @@ def to_document(src: SourceConfig, rec: Raw, root: str) -> Document | str:
     else:
         doc_id = f"{src.name}/{rel}" + (f"#L{rec.line}" if rec.line is not None else "")
     meta = {"file": rel, **({"line": rec.line} if rec.line is not None else {})}
+    if src.repo is not None:
+        meta.update(repo=src.repo, path=rel)
     extra = {k: v for k, v in fields.items() if k != src.id_field}
     if extra:
         meta["fields"] = json.loads(json.dumps(extra, default=str))

@@ -117,3 +117,10 @@ def test_ingest_from_s3_prefix(s3_env, seaweedfs, tmp_path):
     assert quarantine[0]["file"] == f"s3://{s3_env}/raw/a.jsonl" and quarantine[0]["line"] == 2
     with pytest.raises(FileNotFoundError, match="no objects"):
         _run(_cfg(path=f"s3://{s3_env}/missing/"), tmp_path / "m")
+
+
+def test_repo_sources_record_repo_and_path(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text("x = 1\n")
+    _, docs, _ = _run(_cfg(path=str(tmp_path), include="*.py", repo="acme/widgets"), tmp_path / "w")
+    assert docs[0].metadata["repo"] == "acme/widgets" and docs[0].metadata["path"] == "pkg/mod.py"
