@@ -152,7 +152,7 @@ class PretrainConfig(TrainConfig):
 class MixConfig(BaseModel):
     """Sampling weights of the long-context mix: weight = quality weight x source weight
     (default_weight when its source is not listed) x long_weight when the document has at least
-    long_chars characters. Under max_chars, documents are sampled in proportion to it; each kept
+    long_chars characters. Under max_chars the heaviest documents are kept first; each kept
     document is repeated min(weight, max_repeats) times (floor, plus one more with probability
     frac)."""
 

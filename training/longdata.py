@@ -4,7 +4,7 @@ The mix favours what long contexts are for: repository-level code (a repository'
 concatenated, data_processing.packing.repo_documents), issue-PR threads and long documents.
 Each document gets a sampling weight = its quality weight (from the quality stage, 1 if none)
 x the weight of its `source` (mix.sources, else mix.default_weight) x mix.long_weight when it
-has at least mix.long_chars characters. Under mix.max_chars a weighted sample is kept;
+has at least mix.long_chars characters. Under mix.max_chars the heaviest documents are kept;
 data_processing.packing.pack then repeats each document min(weight, mix.max_repeats) times,
 shuffles and packs seq_len windows (with a held-out split, never up-sampled).
 
@@ -48,11 +48,13 @@ def pack_long(docs_dir: Path, tokenizer_dir: Path, out: Path, seq_len: int, mix:
     weighted = [(d, mix_weight(d, mix)) for d in docs if len(d.text) >= mix.min_chars]
     weighted = [(d, w) for d, w in weighted if w > 0]
     if mix.max_chars is not None:
-        # A phase that trains on a few thousand sequences need not pack the whole corpus: keep a
-        # seeded weighted sample (Efraimidis-Spirakis: order by u^(1/w)), so heavily weighted
-        # documents are the likeliest to stay, up to max_chars characters.
+        # A phase that trains on a few thousand sequences need not pack the whole corpus: fill
+        # max_chars with the most favoured documents first (ties in a seeded random order). A
+        # weighted random sample would let hundreds of mid-weight documents crowd out the few
+        # heavy ones (repo-level code, issue-PR threads) the phase is for.
         rng = random.Random(seed)
-        weighted.sort(key=lambda dw: rng.random() ** (1.0 / dw[1]), reverse=True)
+        order = {id(d): rng.random() for d, _ in weighted}
+        weighted.sort(key=lambda dw: (-dw[1], order[id(dw[0])]))
     kept: list[Document] = []
     by_source: dict[str, float] = {}
     chars = 0

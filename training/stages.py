@@ -30,6 +30,7 @@ from data_processing.packing import PackedDataset
 from data_processing.tokenizer import load_tokenizer
 from glmforge.stage import StageSpec, Workdir
 from model.config import ModelConfig, preset
+from model.info import param_counts
 from training import checkpoint, metrics
 from training.config import ContextConfig, PretrainConfig, TrainConfig
 from training.launch import run_ranks
@@ -131,6 +132,8 @@ def publish(name: str, workdir: Workdir, model_cfg: ModelConfig, cfg: TrainConfi
     return {
         **metrics.summarize(records),
         **evals,
+        "params": param_counts(model_cfg).total_with_mtp,
+        "params_active": param_counts(model_cfg).active_with_mtp,
         "seq_len": seq_len,
         "rope_theta": model_cfg.rope_theta,
         "world_size": cfg.launch.world_size,
