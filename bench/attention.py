@@ -12,6 +12,14 @@ Each (method, length) runs in a fresh subprocess. Peak memory is that process's 
 high-water mark (getrusage ru_maxrss, which sees every torch allocation) minus its resident set
 just before the measured pass, after the inputs exist: "extra memory the pass needs".
 
+What to expect on CPU (measured on a shared 2-core VM, 1 thread): DSA is 0.03-0.09x the speed
+of dense from 2K to 32K, and needs 6-10x its memory (mostly the int64 (T, K) indices). The
+sparse half gathers K x H x D fresh key and value floats per query, which is memory-bound,
+while SDPA's flash kernel reuses every key tile across a tile of queries. Dense time grows as
+T^2 and DSA's as T * K, so the ratio improves with length, but the crossover lies far beyond
+32K here; DSA pays off with the MQA (absorbed) form, where one gathered latent row serves all
+heads, on GPU kernels.
+
     python bench/attention.py                        # 2K .. 16K
     python bench/attention.py --lengths 1024 2048    # quick
     python bench/attention.py --lengths 2048 4096 8192 16384 32768
