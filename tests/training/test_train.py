@@ -86,7 +86,7 @@ def test_artifact_holds_weights_hf_export_and_curves(reference):
               "metrics.jsonl", "loss.png", "eval.json"):
         assert (out / f).is_file(), f
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
-    unseen = [d.text for d in stdlib_docs(44)[40:]]                 # modules the run never saw
+    unseen = [d.text[:4000] for d in stdlib_docs(42)[40:]]          # modules the run never saw
     ppl = perplexity(out / "hf", unseen, max_length=64)["perplexity"]
     assert ppl < 0.5 * 512                                          # untrained: about the vocab size
 
