@@ -66,17 +66,32 @@ def _failure(rc: int, tail: deque) -> str:
     ranks = re.findall(r"rank\s*:\s*(\d+)\s*\(local_rank", cause)
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", cause)
     agent = next((i for i, ln in enumerate(lines) if "torch/distributed/elastic" in ln or
-                  "torch.distributed.elastic" in ln), len(lines))
+                  "torch.distributed.elastic" in ln or "sigkill_handler" in ln), len(lines))
     quoted = lines[max(0, agent - QUOTE_LINES):agent] or lines[-QUOTE_LINES:]
+    # the DeepSpeed launcher: "[... '--local_rank=1', ...] exits with return code = -9"
+    ds = re.findall(r"--local_rank=(\d+)'.*exits with return code = (-?\d+)", text)
     if ranks:
         code = int(codes[0]) if codes else rc
         how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
         who = f"rank {ranks[0]} failed ({how})"
+    elif ds:
+        code = int(ds[0][1])
+        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        who = f"local rank {ds[0][0]} failed ({how})"
     elif rc < 0:
         who = f"the launcher was killed by signal {-rc}"
     else:
         who = f"the launcher exited with code {rc}"
     return f"training failed: {who}; last output:\n" + "\n".join(quoted)
+
+
+def _die_with_parent() -> None:
+    """In the launcher's child process, before exec: SIGTERM when the parent dies (Linux)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def run_ranks(spec: dict[str, Any], cfg: LaunchConfig, spec_path: Path,
@@ -90,12 +105,17 @@ def run_ranks(spec: dict[str, Any], cfg: LaunchConfig, spec_path: Path,
 
     if not torch.cuda.is_available():
         env.setdefault("DS_ACCELERATOR", "cpu")
+        # torchrun gives each rank 1 thread, the DeepSpeed launcher nothing: share the cores
+        # out so ranks do not oversubscribe them (a 5-20x slowdown on a small machine).
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node)))
     cmd = command(cfg, spec_path, port)
     log.info("launching %d rank(s): %s", cfg.world_size, " ".join(cmd))
     tail: deque[str] = deque(maxlen=TAIL_LINES)
-    # Same process group as the stage: killing the stage's group kills the ranks with it.
+    # Same process group as the stage: killing the stage's group kills the ranks with it; and
+    # if only the stage's process dies (kill -9 of a worker), the launcher gets SIGTERM and
+    # stops its ranks, so a retry never finds the old ranks still writing checkpoints.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=str(REPO), bufsize=1)
+                            cwd=str(REPO), bufsize=1, preexec_fn=_die_with_parent)
     try:
         assert proc.stdout is not None
         for raw in proc.stdout:
@@ -116,11 +136,16 @@ def run_ranks(spec: dict[str, Any], cfg: LaunchConfig, spec_path: Path,
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) != 1:
-        raise SystemExit("usage: python -m training.launch SPEC.json")
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m training.launch")
+    p.add_argument("spec", type=Path, help="the JSON spec the stage wrote")
+    # The DeepSpeed launcher appends --local_rank; LOCAL_RANK in the environment says the same.
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
     from training.loop import train
 
-    train(json.loads(Path(argv[0]).read_text()))
+    train(json.loads(args.spec.read_text()))
 
 
 if __name__ == "__main__":

@@ -131,3 +131,22 @@ def test_long_context_packing_keeps_the_favoured_sources_under_a_cap(packed, tmp
     assert PackedDataset(tmp_path / "out", "train").seq_len == 128 and (tmp_path / "out" / MARKER).exists()
     again = pack_long(tmp_path / "docs", packed["tokenize"], tmp_path / "out", 128, mix, 0.2, seed=3)
     assert again == meta                                             # a retry reuses the packed data
+
+
+def test_failure_messages_name_the_rank():
+    from collections import deque
+
+    from training.launch import _failure
+
+    torchrun = deque(["[rank1]: ValueError: boom", "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
+                      "Failures:", "  rank      : 0 (local_rank: 0)", "  exitcode  : -15 (pid: 1)",
+                      "Root Cause (first observed failure):", "  rank      : 1 (local_rank: 1)",
+                      "  exitcode  : -9 (pid: 2)"])
+    msg = _failure(1, torchrun)
+    assert msg.startswith("training failed: rank 1 failed (killed by signal 9)") and "ValueError: boom" in msg
+    ds = deque(["Traceback ...", "RuntimeError: bad", "[INFO] [launch.py:253:sigkill_handler] Killing subprocess 7",
+                "[ERROR] [launch.py:259:sigkill_handler] ['python', '-u', '-m', 'training.launch', "
+                "'--local_rank=1', 'spec.json'] exits with return code = 1"])
+    msg = _failure(1, ds)
+    assert "local rank 1 failed (exit code 1)" in msg and "RuntimeError: bad" in msg
+    assert "launcher was killed by signal 9" in _failure(-9, deque(["x"]))
