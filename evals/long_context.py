@@ -7,8 +7,8 @@ decoding is cheap on CPU):
   multi_value        several needles share one key; ask for all values, in order of appearance.
   variable_tracking  a chain "VAR A = V." ... "VAR B = VAR A." ... plus a distractor chain;
                      ask for the value of the chain's last variable.
-Every prompt ends with "\\nWhat is ...? Answer:" and the expected continuation is " V"
-(first line, stripped, compared exactly).
+Every prompt ends with a question line "What is ...? Answer: <the needle's words up to the
+value>", and the expected continuation is " V" (first line, stripped, compared exactly).
 
 Lengths are in tokens of the given tokenizer (within +-5% of the target, at most the target).
 The haystack is consecutive sentences of a real corpus (filler_texts), never random characters;
@@ -53,7 +53,7 @@ _CHAIN_HOPS = 3            # variables in each chain: VAR A = V, VAR B = VAR A, 
 class Example:
     task: str
     length: int          # target prompt length in tokens
-    prompt: str          # ends with "Answer:"
+    prompt: str          # ends with the question line
     answer: str          # expected continuation, without the leading space
     n_tokens: int        # actual prompt length in tokens
     keys: tuple[str, ...]  # every key / variable name planted in the prompt
@@ -179,22 +179,28 @@ def _needle(key: str, value: str) -> str:
     return f"The value of key {key} is {value}."
 
 
+def _ask_key(key: str) -> str:
+    # The answer restates the needle's words up to the value: the value then follows the same
+    # tokens as in the haystack, which a small model can learn to copy (an induction pattern).
+    return f"What is the value of key {key}? Answer: The value of key {key} is"
+
+
 def _task(task: str, rng: random.Random, split: str) -> tuple[list[str], list[float], str, str, list[str]]:
     """-> (needles in depth order, depths, question, answer, keys)."""
     taken: set[str] = set()
     if task == "single_key":
         key, (value,) = _key(rng, split, taken), _values(rng, 1)
-        return [_needle(key, value)], _depths(rng, 1), f"What is the value of key {key}? Answer:", value, [key]
+        return [_needle(key, value)], _depths(rng, 1), _ask_key(key), value, [key]
     if task == "multi_key":
         keys = [_key(rng, split, taken) for _ in range(_MULTI_KEY_DISTRACTORS + 1)]
         values = _values(rng, len(keys))
         q = rng.randrange(len(keys))
         return ([_needle(k, v) for k, v in zip(keys, values)], _depths(rng, len(keys)),
-                f"What is the value of key {keys[q]}? Answer:", values[q], keys)
+                _ask_key(keys[q]), values[q], keys)
     if task == "multi_value":
         key, values = _key(rng, split, taken), _values(rng, _MULTI_VALUES)
-        return ([_needle(key, v) for v in values], _depths(rng, len(values)),
-                f"What are all the values of key {key}? Answer:", ", ".join(values), [key])
+        question = f"What are all the values of key {key}? Answer: The values of key {key} are"
+        return [_needle(key, v) for v in values], _depths(rng, len(values)), question, ", ".join(values), [key]
     if task == "variable_tracking":
         chains = [[_key(rng, split, taken).upper() for _ in range(_CHAIN_HOPS)] for _ in range(2)]
         values = _values(rng, 2)
@@ -207,8 +213,9 @@ def _task(task: str, rng: random.Random, split: str) -> tuple[list[str], list[fl
         while queues[0] or queues[1]:
             c = rng.choice([i for i in (0, 1) if queues[i]])
             needles.append(queues[c].pop(0))
-        return (needles, _depths(rng, len(needles)), f"What is the value of VAR {chains[0][-1]}? Answer:",
-                values[0], chains[0] + chains[1])
+        asked = chains[0][-1]
+        question = f"What is the value of VAR {asked}? Answer: VAR {asked} is"
+        return needles, _depths(rng, len(needles)), question, values[0], chains[0] + chains[1]
     raise ValueError(f"unknown task {task!r}; choose from {TASKS}")
 
 
