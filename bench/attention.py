@@ -1,24 +1,40 @@
 """DSA (lightning-indexer top-k + sparse attention) vs dense causal attention on CPU.
 
-Times one forward + backward pass and measures peak memory at growing sequence length:
-- dense: torch scaled_dot_product_attention(is_causal=True) forward + backward (q, k, v).
-- DSA:   indexer scores + deterministic top-k chunk by chunk (no grad: the selection is not
-         differentiable), then kernels.sparse_attention forward + backward (q, k, v).
+Times one forward + backward pass and measures peak memory at growing sequence length.
 
-Widths keep GLM-5's ratios scaled down: attention 64 heads x (qk 256, v 256) and indexer
-32 heads x 128 become, by default, attention 4 x 64 and indexer 2 x 32; top-k stays 2048.
+The pairing (default --form mqa) is what GLM-5 runs, scaled down by 4 in heads and widths:
+
+    GLM-5                                   this bench (defaults)
+    64 heads, qk 256 = nope 192 + rope 64   16 heads, qk 64 = nope 48 + rope 16, v 64
+    latent cache 576 = kv_rank 512 + 64     latent 144 = kv_rank 128 + rope 16
+    indexer 32 heads x 128, top-k 2048      indexer 8 heads x 32, top-k 2048
+
+- dense: what the model runs without DSA in prefill / training, explicit MHA:
+         torch scaled_dot_product_attention(is_causal=True) on q, k (T, 16, 64), v (T, 16, 64),
+         forward + backward into q, k, v.
+- DSA:   what production DSA kernels run (absorbed / MQA form, FlashMLA sparse prefill layout):
+         indexer scores + deterministic top-k chunk by chunk (no grad), then
+         kernels.sparse_attention_mqa over the shared latent rows kv (T, 144) with absorbed
+         queries q (T, 16, 144) and values kv[..., :128], forward + backward into q and kv.
+
+Like for like: both produce the attention output of the same 16 heads over the same tokens,
+and the projections around them cost the same on both sides (explicit: kv_b_proj expands each
+latent to per-head k_nope and v, T*C*H*(N+V) MACs; absorbed: q_nope @ W_UK and o_lat @ W_UV,
+T*H*C*(N+V) MACs), so they are left out of both. Per attended (query, key) pair the absorbed
+form does about 2.1x the FLOPs of the explicit one ((144 + 128) vs (64 + 64) per head, the
+same ratio as GLM-5's (576 + 512) vs (256 + 256)); DSA wins by attending to k = 2048 keys
+instead of ~T/2, so at 32K it does ~3.7x fewer attention FLOPs than causal dense.
+
+--form mha keeps the older pairing: sparse_attention with per-head k, v (T, H, D) vs SDPA with
+the same shapes (--mha-heads x --mha-dim), indexer as above.
 
 Each (method, length) runs in a fresh subprocess. Peak memory is that process's resident-set
 high-water mark (getrusage ru_maxrss, which sees every torch allocation) minus its resident set
-just before the measured pass, after the inputs exist: "extra memory the pass needs".
+just before the measured pass, after the inputs exist: "extra memory the pass needs". Indices
+are int32 (indexer_topk(index_dtype=torch.int32)).
 
-What to expect on CPU (measured on a shared 2-core VM, 1 thread): DSA is 0.03-0.09x the speed
-of dense from 2K to 32K, and needs 6-10x its memory (mostly the int64 (T, K) indices). The
-sparse half gathers K x H x D fresh key and value floats per query, which is memory-bound,
-while SDPA's flash kernel reuses every key tile across a tile of queries. Dense time grows as
-T^2 and DSA's as T * K, so the ratio improves with length, but the crossover lies far beyond
-32K here; DSA pays off with the MQA (absorbed) form, where one gathered latent row serves all
-heads, on GPU kernels.
+Timings on a shared 2-core VM are noisy; dense and DSA for a length run back to back, and
+--repeats N keeps the best of N passes (each in the same process).
 
     python bench/attention.py                        # 2K .. 16K
     python bench/attention.py --lengths 1024 2048    # quick
@@ -47,24 +63,40 @@ def _peak_rss_mb() -> float:
 
 
 def measure(method: str, length: int, args) -> dict:
-    """One forward + backward of `method` at `length`, in this (fresh) process."""
+    """One forward + backward of `method` at `length`, in this (fresh) process; best of N."""
     import torch
     import torch.nn.functional as F
 
     sys.path.insert(0, str(REPO))
     from kernels.indexer import indexer_topk
-    from kernels.sparse_attention import sparse_attention
+    from kernels.sparse_attention import sparse_attention, sparse_attention_mqa
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    B, T, H, D, HI, DI = args.batch, length, args.heads, args.head_dim, args.index_heads, args.index_dim
-    q = torch.randn(B, T, H, D, requires_grad=True)
-    k = torch.randn(B, T, H, D, requires_grad=True)
-    v = torch.randn(B, T, H, D, requires_grad=True)
-    q_i, k_i = torch.randn(B, T, HI, DI), torch.randn(B, T, DI)
-    w_i = torch.randn(B, T, HI) * (HI * DI) ** -0.5
-    dout = torch.randn(B, T, H, D)
-    scale = D ** -0.5
+    B, T, HI, DI = args.batch, length, args.index_heads, args.index_dim
+    mqa = args.form == "mqa"
+    H = args.heads if mqa else args.mha_heads
+    dqk = args.nope + args.rope if mqa else args.mha_dim       # dense (explicit) head widths
+    dv_h = args.v_dim if mqa else args.mha_dim
+    lat, C = args.kv_rank + args.rope, args.kv_rank             # absorbed (latent) widths
+    scale = dqk ** -0.5                                         # MLA scales by the explicit qk width
+    if method == "dense":
+        q = torch.randn(B, T, H, dqk, requires_grad=True)
+        k = torch.randn(B, T, H, dqk, requires_grad=True)
+        v = torch.randn(B, T, H, dv_h, requires_grad=True)
+        dout = torch.randn(B, T, H, dv_h)
+    else:
+        q_i, k_i = torch.randn(B, T, HI, DI), torch.randn(B, T, DI)
+        w_i = torch.randn(B, T, HI) * (HI * DI) ** -0.5
+        if mqa:
+            q = torch.randn(B, T, H, lat, requires_grad=True)
+            kv = torch.randn(B, T, lat, requires_grad=True)
+            dout = torch.randn(B, T, H, C)
+        else:
+            q = torch.randn(B, T, H, dqk, requires_grad=True)
+            k = torch.randn(B, T, H, dqk, requires_grad=True)
+            v = torch.randn(B, T, H, dv_h, requires_grad=True)
+            dout = torch.randn(B, T, H, dv_h)
 
     def dense():
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -75,19 +107,28 @@ def measure(method: str, length: int, args) -> dict:
     def dsa():
         t0 = time.perf_counter()
         with torch.no_grad():
-            idx = indexer_topk(q_i, k_i, w_i, args.topk, chunk=args.index_chunk)
+            idx = indexer_topk(q_i, k_i, w_i, args.topk, chunk=args.index_chunk,
+                               index_dtype=torch.int32)
         t1 = time.perf_counter()
-        out = sparse_attention(q, k, v, idx, scale, chunk=args.attn_chunk)
+        if mqa:
+            out = sparse_attention_mqa(q, kv, idx, scale, C, chunk=args.attn_chunk)
+        else:
+            out = sparse_attention(q, k, v, idx, scale, chunk=args.attn_chunk)
         out.backward(dout)
         return {"indexer_s": t1 - t0, "sparse_attn_s": time.perf_counter() - t1}
 
     fn = {"dense": dense, "dsa": dsa}[method]
     base = _rss_mb()
-    t0 = time.perf_counter()
-    parts = fn()
-    seconds = time.perf_counter() - t0
-    return {"method": method, "length": length, "seconds": seconds,
-            "peak_extra_mb": _peak_rss_mb() - base, **parts}
+    best = None
+    for _ in range(args.repeats):
+        for t in ([q, kv] if method == "dsa" and mqa else [q, k, v]):
+            t.grad = None
+        t0 = time.perf_counter()
+        parts = fn()
+        seconds = time.perf_counter() - t0
+        if best is None or seconds < best["seconds"]:
+            best = {"seconds": seconds, **parts}
+    return {"method": method, "length": length, **best, "peak_extra_mb": _peak_rss_mb() - base}
 
 
 def run_in_subprocess(method: str, length: int, argv: list[str]) -> dict:
@@ -103,10 +144,18 @@ def main() -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     p.add_argument("--topk", type=int, default=2048)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--index-heads", type=int, default=2)
+    p.add_argument("--form", choices=["mqa", "mha"], default="mqa",
+                   help="mqa: absorbed DSA vs explicit dense MHA (GLM-5); mha: per-head both")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--nope", type=int, default=48, help="explicit qk_nope_head_dim")
+    p.add_argument("--rope", type=int, default=16, help="qk_rope_head_dim")
+    p.add_argument("--v-dim", type=int, default=64, help="explicit v_head_dim")
+    p.add_argument("--kv-rank", type=int, default=128, help="latent width (values in MQA form)")
+    p.add_argument("--mha-heads", type=int, default=4, help="--form mha: heads")
+    p.add_argument("--mha-dim", type=int, default=64, help="--form mha: qk and v head dim")
+    p.add_argument("--index-heads", type=int, default=8)
     p.add_argument("--index-dim", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=1, help="best of N passes per measurement")
     p.add_argument("--index-chunk", type=int, default=256, help="indexer queries per step")
     p.add_argument("--attn-chunk", type=int, default=None, help="sparse-attention queries per step")
     p.add_argument("--threads", type=int, default=1,
@@ -126,8 +175,14 @@ def main() -> None:
             j += 1
         passthrough = passthrough[:i] + passthrough[j:]
 
-    print(f"attention {args.heads} x {args.head_dim}, indexer {args.index_heads} x "
-          f"{args.index_dim}, top-k {args.topk}, batch {args.batch}, {args.threads} threads; "
+    if args.form == "mqa":
+        shape = (f"dense MHA {args.heads} x (qk {args.nope + args.rope}, v {args.v_dim}) vs DSA "
+                 f"MQA {args.heads} heads over latent {args.kv_rank + args.rope} "
+                 f"(v {args.kv_rank})")
+    else:
+        shape = f"MHA {args.mha_heads} x {args.mha_dim} both"
+    print(f"{shape}, indexer {args.index_heads} x {args.index_dim}, top-k {args.topk}, "
+          f"batch {args.batch}, {args.threads} threads, best of {args.repeats}; "
           "time = one forward + backward; memory = peak RSS above the inputs")
     header = (f"{'length':>7} {'dense s':>8} {'DSA s':>8} {'(index':>7} {'attn)':>7} "
               f"{'speedup':>8} {'dense MB':>9} {'DSA MB':>8} {'DSA/dense mem':>14}")

@@ -35,19 +35,26 @@ def _check_args(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, causal_offset
 
 
 def indexer_scores_reference(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
-                             causal_offset: int = 0) -> torch.Tensor:
-    """Plain torch, one head at a time so the largest temporary is (B, T, S)."""
+                             causal_offset: int = 0, block: int | None = None) -> torch.Tensor:
+    """Plain torch, `block` queries at a time: one matmul scores all heads of the block,
+    (block * H, D) @ (D, S), ReLU in place, then a batched (1, H) @ (H, S) product applies the
+    head weights. The largest temporary is (B, block * H, S); the default block keeps it near
+    512K elements (2 MB, cache-resident)."""
     _check_args(q, k, w, causal_offset)
     B, T, H, D = q.shape
     S = k.shape[1]
-    qf, kf, wf = q.float(), k.float(), w.float()
-    scores = torch.zeros(B, T, S, dtype=torch.float32, device=q.device)
-    for j in range(H):
-        logits = torch.bmm(qf[:, :, j], kf.transpose(1, 2))    # (B, T, S)
-        scores += wf[:, :, j, None] * logits.relu()
+    block = block or max(1, 2**19 // max(1, H * S))
+    qf, kT, wf = q.float(), k.float().transpose(1, 2), w.float()
+    scores = torch.empty(B, T, S, dtype=torch.float32, device=q.device)
+    for t0 in range(0, T, block):
+        t1 = min(t0 + block, T)
+        C = t1 - t0
+        logits = torch.bmm(qf[:, t0:t1].reshape(B, C * H, D), kT).relu_()  # (B, C*H, S)
+        torch.bmm(wf[:, t0:t1].reshape(B * C, 1, H), logits.view(B * C, H, S),
+                  out=scores[:, t0:t1].view(B * C, 1, S))
     t = torch.arange(T, device=q.device)[:, None] + causal_offset
     s = torch.arange(S, device=q.device)[None, :]
-    return scores.masked_fill(s > t, float("-inf"))
+    return scores.masked_fill_(s > t, float("-inf"))
 
 
 if triton is not None:
@@ -105,23 +112,26 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
 
 
 def indexer_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int,
-                 causal_offset: int = 0, chunk: int = 256) -> torch.Tensor:
-    """Top-k key positions per query, (B, T, topk) long, -1 for empty slots.
+                 causal_offset: int = 0, chunk: int = 256,
+                 index_dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Top-k key positions per query, (B, T, topk) `index_dtype`, -1 for empty slots.
 
     Scores are computed `chunk` queries at a time and reduced to indices immediately. Keys
     after the chunk's last query position are all -inf for it, so they are not scored at all.
+    index_dtype=torch.int32 halves the (T, topk) index memory; the sparse-attention kernels
+    accept it (torch.scatter and friends need the default int64).
     """
     _check_args(q, k, w, causal_offset)
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
-    T, S = q.shape[1], k.shape[1]
-    out = []
+    if index_dtype not in (torch.long, torch.int32):
+        raise ValueError(f"index_dtype must be torch.long or torch.int32, got {index_dtype}")
+    B, T, S = q.shape[0], q.shape[1], k.shape[1]
+    out = torch.empty(B, T, topk, dtype=index_dtype, device=q.device)
     with torch.no_grad():                                      # indices carry no gradient
         for t0 in range(0, T, chunk):
             t1 = min(t0 + chunk, T)
             s1 = min(S, t1 + causal_offset)                    # keys visible to the chunk
             scores = indexer_scores(q[:, t0:t1], k[:, :s1], w[:, t0:t1], causal_offset + t0)
-            out.append(deterministic_topk(scores, topk))       # (B, C, topk), positions < s1
-    if not out:
-        return torch.empty(q.shape[0], 0, topk, dtype=torch.long, device=q.device)
-    return torch.cat(out, dim=1)
+            out[:, t0:t1] = deterministic_topk(scores, topk)   # (B, C, topk), positions < s1
+    return out

@@ -306,12 +306,125 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
     return SparseAttention.apply(q, k, v, indices, float(scale), chunk, use_triton)
 
 
+# ------------------------------------------------------------------------------------------
+# MQA / absorbed form, torch path: one gathered latent row serves every head
+#
+# Per chunk of C queries (batch folded in) the selected rows are gathered once, kg (N, K', D)
+# with N = B * C, and every head reads them through batched matmuls whose M dimension is the
+# head count, so each gathered byte is used 2H (forward) / 4H (backward) times:
+#   forward   logits = (scale q) kg^T            (N, H, K')      out = p kg[..., :Dv]
+#   backward  [logits | dp] = [scale q | dout 0] kg^T   (one bmm, M = 2H)
+#             ds = p (dp - delta);  dq = scale ds kg;  dkg = [p | ds]^T [dout 0 | scale q]
+# and dkg is scattered into dkv (B * S, D) with index_add_. Empty slots read row 0 under a -inf
+# bias, so their p and ds are exactly 0 and they add nothing.
+
+def _mqa_auto_chunk(H: int, K: int, D: int, chunk: int | None) -> int:
+    # default: the gathered rows of a chunk (C * K * D) near 1M elements, so the chunk's
+    # gather, logits and the bmm operands stay in L2/L3 while all heads reuse them
+    return chunk or max(1, min(64, 2**20 // max(1, K * D)))
+
+
+def _mqa_chunk(kv_rows, indices, t0, t1, S):
+    """-> idx (B, C, K'), rows (B*C*K',) into kv_rows, bias (B*C, 1, K') or None."""
+    idx = _chunk_indices(indices, t0, t1)                       # (B, C, K')
+    B, C, K = idx.shape
+    valid = idx >= 0
+    rows = idx.clamp(min=0)
+    if B > 1:
+        rows = rows + (torch.arange(B, device=idx.device) * S)[:, None, None].to(rows.dtype)
+    bias = None
+    if not bool(valid.all()):
+        bias = torch.zeros(B * C, 1, K, dtype=kv_rows.dtype, device=idx.device)
+        bias.masked_fill_(~valid.reshape(B * C, 1, K), float("-inf"))
+    return idx, rows.reshape(-1), bias
+
+
+def sparse_attention_mqa_forward_reference(q, kv, indices, scale, dv, chunk=None):
+    """q (B,T,H,D), kv (B,S,D) -> out (B,T,H,dv) in q's dtype, lse (B,T,H) in the compute dtype."""
+    B, T, H, D = q.shape
+    S = kv.shape[1]
+    cdt = _compute_dtype(q)
+    chunk = _mqa_auto_chunk(H, indices.shape[-1], D, chunk)
+    kv_rows = kv.reshape(B * S, D).to(cdt).contiguous()
+    out = torch.empty(B, T, H, dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, T, H, dtype=cdt, device=q.device)
+    for t0 in range(0, T, chunk):
+        t1 = min(t0 + chunk, T)
+        idx, rows, bias = _mqa_chunk(kv_rows, indices, t0, t1, S)
+        N, K = idx.shape[0] * idx.shape[1], idx.shape[2]
+        kg = kv_rows.index_select(0, rows).view(N, K, D)         # (N, K', D)
+        q_c = q[:, t0:t1].reshape(N, H, D).to(cdt) * scale      # (N, H, D)
+        if bias is None:
+            logits = torch.bmm(q_c, kg.mT)                      # (N, H, K')
+        else:
+            logits = torch.baddbmm(bias, q_c, kg.mT)
+        m = torch.logsumexp(logits, dim=-1)                     # (N, H); -inf for an empty row
+        m_safe = torch.where(torch.isinf(m), 0.0, m)
+        p = logits.sub_(m_safe[..., None]).exp_()               # 0 on empty slots
+        out[:, t0:t1] = torch.bmm(p, kg[..., :dv]).view(B, t1 - t0, H, dv).to(q.dtype)
+        lse[:, t0:t1] = m.view(B, t1 - t0, H)
+    return out, lse
+
+
+def sparse_attention_mqa_backward_reference(q, kv, indices, scale, dv, out, lse, dout,
+                                            chunk=None):
+    """-> dq (B,T,H,D), dkv (B,S,D) in the compute dtype, recomputing p chunk by chunk."""
+    B, T, H, D = q.shape
+    S = kv.shape[1]
+    cdt = _compute_dtype(q)
+    chunk = _mqa_auto_chunk(H, indices.shape[-1], D, chunk)
+    kv_rows = kv.reshape(B * S, D).to(cdt).contiguous()
+    dq = torch.empty(B, T, H, D, dtype=cdt, device=q.device)
+    dkv = torch.zeros(B * S, D, dtype=cdt, device=q.device)
+    delta = (dout.to(cdt) * out.to(cdt)).sum(-1)               # (B, T, H)
+    lse_safe = torch.where(torch.isinf(lse), 0.0, lse)
+    for t0 in range(0, T, chunk):
+        t1 = min(t0 + chunk, T)
+        idx, rows, bias = _mqa_chunk(kv_rows, indices, t0, t1, S)
+        N, K = idx.shape[0] * idx.shape[1], idx.shape[2]
+        kg = kv_rows.index_select(0, rows).view(N, K, D)         # (N, K', D)
+        a = torch.zeros(N, 2 * H, D, dtype=cdt, device=q.device)  # [scale q | dout 0]
+        a[:, :H] = q[:, t0:t1].reshape(N, H, D) * scale
+        a[:, H:, :dv] = dout[:, t0:t1].reshape(N, H, dv)
+        x = torch.bmm(a, kg.mT)                                 # (N, 2H, K'): logits | dp
+        logits, dp = x[:, :H], x[:, H:]
+        if bias is not None:
+            logits += bias
+        logits.sub_(lse_safe[:, t0:t1].reshape(N, H, 1)).exp_()  # p, in place
+        dp.sub_(delta[:, t0:t1].reshape(N, H, 1)).mul_(logits)  # ds, in place
+        dq[:, t0:t1] = torch.bmm(dp, kg).view(B, t1 - t0, H, D) * scale
+        # x is now [p | ds]: dkg = p^T dout + ds^T (scale q), one bmm against [dout 0 | scale q]
+        a = torch.cat([a[:, H:], a[:, :H]], dim=1)
+        dkv.index_add_(0, rows, torch.bmm(x.mT, a).view(N * K, D))
+    return dq, dkv.view(B, S, D)
+
+
+class SparseAttentionMQA(torch.autograd.Function):
+    """Torch-path MQA sparse attention; saves q, kv, indices, out, lse and recomputes p."""
+
+    @staticmethod
+    def forward(ctx, q, kv, indices, scale, dv, chunk):
+        out, lse = sparse_attention_mqa_forward_reference(q, kv, indices, scale, dv, chunk)
+        ctx.save_for_backward(q, kv, indices, out, lse)
+        ctx.scale, ctx.dv, ctx.chunk = scale, dv, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, kv, indices, out, lse = ctx.saved_tensors
+        dq, dkv = sparse_attention_mqa_backward_reference(
+            q, kv, indices, ctx.scale, ctx.dv, out, lse, dout, ctx.chunk)
+        return dq.to(q.dtype), dkv.to(kv.dtype), None, None, None, None
+
+
 def sparse_attention_mqa(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float,
                          dv: int, chunk: int | None = None) -> torch.Tensor:
     """Absorbed / MQA form: q (B,T,H,D), kv (B,S,D) shared by all heads, values = kv[..., :dv].
 
-    -> out (B,T,H,dv). Implemented on top of the MHA kernels with a broadcast (stride-0) head
-    dim, so it reads kv once per head; gradients from every head sum into kv.
+    -> out (B,T,H,dv). On CPU (the torch path) each query's selected rows are gathered once and
+    shared by all heads (see SparseAttentionMQA); gradients from every head sum into kv. On CUDA
+    it runs the MHA Triton kernels with a broadcast (stride-0) head dim, which reads kv once per
+    head (no dedicated MQA Triton kernel yet).
     """
     if kv.dim() != 3 or q.dim() != 4 or kv.shape[-1] != q.shape[-1]:
         raise ValueError(f"kv must be (B, S, D={q.shape[-1] if q.dim() == 4 else '?'}), "
@@ -322,7 +435,12 @@ def sparse_attention_mqa(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     H = q.shape[2]
     k = kv[:, :, None, :].expand(B, S, H, D)                    # (B, S, H, D), stride 0 on H
     v = kv[:, :, None, :dv].expand(B, S, H, dv)                 # (B, S, H, dv)
-    return sparse_attention(q, k, v, indices, scale, chunk)
+    _check_args(q, k, v, indices, scale)
+    if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    if q.is_cuda and triton is not None:
+        return SparseAttention.apply(q, k, v, indices, float(scale), chunk, True)
+    return SparseAttentionMQA.apply(q, kv, indices, float(scale), dv, chunk)
 
 
 def dense_reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

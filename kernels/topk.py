@@ -71,18 +71,21 @@ def topk_torch(scores: torch.Tensor, k: int) -> torch.Tensor:
     thr = torch.topk(x, kk, dim=-1, sorted=False).values.amin(-1, keepdim=True)  # k-th largest
     above = x > thr
     tied = (x == thr) & (x != float("-inf"))                   # -inf never counts
-    need = kk - above.sum(-1, keepdim=True)                    # tied slots left to fill
+    need = kk - above.count_nonzero(-1)[:, None]               # tied slots left to fill
     take = above | tied
-    short = (tied.sum(-1, keepdim=True) > need).squeeze(-1)    # rows with more ties than room
+    short = tied.count_nonzero(-1) > need.squeeze(-1)          # rows with more ties than room
     if short.any():                                            # lower positions win the ties
         t = tied[short]
         take[short] = above[short] | (t & (torch.cumsum(t, dim=-1) <= need[short]))
     # taken positions, row-major so ascending within each row; fewer than kk leaves -1s
     row, pos = take.nonzero(as_tuple=True)
-    counts = take.sum(-1)
-    slot = torch.arange(row.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[row]
-    out = torch.full((x.shape[0], kk), -1, dtype=torch.long, device=x.device)
-    out[row, slot] = pos
+    if pos.numel() == x.shape[0] * kk:                         # every row full: no -1 slots
+        out = pos.view(x.shape[0], kk)
+    else:
+        counts = take.count_nonzero(-1)
+        slot = torch.arange(row.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[row]
+        out = torch.full((x.shape[0], kk), -1, dtype=torch.long, device=x.device)
+        out[row, slot] = pos
     return _pad(out.reshape(*lead, kk), k)
 
 
