@@ -44,7 +44,8 @@ class LaunchConfig(BaseModel):
     nnodes: int = Field(1, ge=1)
     node_rank: int = Field(0, ge=0, description="torchrun multi-node: this node's rank")
     hostfile: str | None = Field(None, description="DeepSpeed launcher: 'host slots=N' per line")
-    master_addr: str = "127.0.0.1"
+    master_addr: str | None = Field(None, description="None: 127.0.0.1 (torchrun, one node) or the "
+                                    "hostfile's first host (DeepSpeed launcher)")
     master_port: int | None = Field(None, ge=1, le=65535, description="None: pick a free port")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl on CUDA, gloo on CPU")
 
@@ -54,7 +55,7 @@ class LaunchConfig(BaseModel):
             raise ValueError(f"node_rank={self.node_rank} must be < nnodes={self.nnodes}")
         if self.hostfile and self.launcher != "deepspeed":
             raise ValueError("a hostfile needs launcher: deepspeed (torchrun takes nnodes/node_rank/master_addr)")
-        if self.nnodes > 1 and self.launcher == "torchrun" and self.master_addr in ("127.0.0.1", "localhost"):
+        if self.nnodes > 1 and self.launcher == "torchrun" and self.master_addr in (None, "127.0.0.1", "localhost"):
             raise ValueError("torchrun with nnodes > 1 needs master_addr set to node 0's reachable address")
         if self.nnodes > 1 and self.master_port is None:
             raise ValueError("nnodes > 1 needs an explicit master_port (every node must use the same one)")

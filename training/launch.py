@@ -47,11 +47,13 @@ def command(cfg: LaunchConfig, spec_path: Path, port: int) -> list[str]:
     if cfg.launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run",
                 f"--nproc_per_node={cfg.nproc_per_node}", f"--nnodes={cfg.nnodes}",
-                f"--node_rank={cfg.node_rank}", f"--master_addr={cfg.master_addr}",
+                f"--node_rank={cfg.node_rank}", f"--master_addr={cfg.master_addr or '127.0.0.1'}",
                 f"--master_port={port}", "--max_restarts=0",
                 "-m", "training.launch", str(spec_path)]
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", f"--master_addr={cfg.master_addr}",
-           f"--master_port={port}", f"--num_gpus={cfg.nproc_per_node}"]
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", f"--master_port={port}",
+           f"--num_gpus={cfg.nproc_per_node}"]
+    if cfg.master_addr:
+        cmd.append(f"--master_addr={cfg.master_addr}")
     if cfg.hostfile:
         cmd += [f"--hostfile={cfg.hostfile}", f"--num_nodes={cfg.nnodes}"]
     return cmd + ["--module", "training.launch", str(spec_path)]

@@ -59,7 +59,11 @@ def test_launch_validation_and_commands(tmp_path):
                          master_addr="10.0.0.1", master_port=29500)
     cmd = command(multi, tmp_path / "s.json", 29500)
     assert "--hostfile=/etc/hosts.ds" in cmd and "--num_nodes=4" in cmd and "--module" in cmd
-    assert multi.world_size == 32
+    assert "--master_addr=10.0.0.1" in cmd and multi.world_size == 32
+    # without master_addr the DeepSpeed launcher takes the hostfile's first host
+    cmd = command(LaunchConfig(launcher="deepspeed", hostfile="h", nnodes=2, master_port=29500), tmp_path / "s.json", 29500)
+    assert not any(c.startswith("--master_addr") for c in cmd)
+    assert "--master_addr=127.0.0.1" in command(LaunchConfig(), tmp_path / "s.json", 1)
 
 
 def test_steps_from_token_budget():
