@@ -80,3 +80,20 @@ def _triton_check():
 
 def test_triton_matches_reference_under_interpreter():
     run_interpreted(__name__, "_triton_check")
+
+
+def test_topk_int32_indices_equal_int64():
+    q, k, w = _inputs(T=9, S=16, seed=5)
+    a = indexer_topk(q, k, w, topk=6, causal_offset=2, chunk=4)
+    b = indexer_topk(q, k, w, topk=6, causal_offset=2, chunk=4, index_dtype=torch.int32)
+    assert a.dtype == torch.long and b.dtype == torch.int32 and torch.equal(a, b.long())
+    with pytest.raises(ValueError, match="index_dtype"):
+        indexer_topk(q, k, w, topk=6, index_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("block", [1, 2, 64])
+def test_scores_blocking_does_not_change_results(block):
+    q, k, w = _inputs(T=7, S=13, seed=6)
+    torch.testing.assert_close(indexer_scores_reference(q, k, w, 3, block=block),
+                               _naive(q.double(), k.double(), w.double(), 3).float(),
+                               rtol=1e-5, atol=1e-5)

@@ -146,3 +146,58 @@ def _triton_check():
 
 def test_triton_forward_backward_match_reference_under_interpreter():
     run_interpreted(__name__, "_triton_check")
+
+
+def _mqa_inputs(B, T, S, H, D, seed, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, D, generator=g, dtype=dtype).requires_grad_()
+    kv = torch.randn(B, S, D, generator=g, dtype=dtype).requires_grad_()
+    return q, kv
+
+
+def _mqa_dense(q, kv, idx, scale, dv):
+    B, S, D = kv.shape
+    H = q.shape[2]
+    return dense_reference_attention(q, kv[:, :, None].expand(B, S, H, D),
+                                     kv[:, :, None, :dv].expand(B, S, H, dv), idx, scale)
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 3, 128])
+@pytest.mark.parametrize("index_dtype", [torch.long, torch.int32])
+def test_mqa_forward_and_backward_match_dense_reference(chunk, index_dtype):
+    B, T, S, H, D, DV, K = 2, 7, 12, 3, 6, 4, 5                 # batch > 1, empty rows, -1 slots
+    q, kv = _mqa_inputs(B, T, S, H, D, seed=11)
+    idx = _causal_indices(B, T, S, K, seed=11, offset=1, empty_rows=1).to(index_dtype)
+    dout = torch.randn(B, T, H, DV, dtype=torch.float64)
+    out = sparse_attention_mqa(q, kv, idx, 0.4, dv=DV, chunk=chunk)
+    want = _mqa_dense(q, kv, idx.long(), 0.4, DV)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+    for g, w in zip(torch.autograd.grad(out, (q, kv), dout), torch.autograd.grad(want, (q, kv), dout)):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    assert torch.all(out[:, 0] == 0)                          # empty row: zeros
+
+
+def test_mqa_gradcheck_tiny():
+    q, kv = _mqa_inputs(2, 4, 6, 2, 3, seed=12)
+    idx = _causal_indices(2, 4, 6, 3, seed=12, empty_rows=1)
+    assert torch.autograd.gradcheck(
+        lambda q, kv: sparse_attention_mqa(q, kv, idx, 0.7, dv=2, chunk=3), (q, kv))
+
+
+def test_mqa_low_precision_matches_float32():
+    q, kv = _mqa_inputs(1, 9, 9, 4, 8, seed=13, dtype=torch.float32)
+    idx = _causal_indices(1, 9, 9, 4, seed=13)
+    want = sparse_attention_mqa(q, kv, idx, 0.3, dv=6)
+    got = sparse_attention_mqa(q.detach().bfloat16(), kv.detach().bfloat16(), idx, 0.3, dv=6)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.detach(), rtol=3e-2, atol=3e-2)
+
+
+def test_mqa_path_never_builds_a_t_by_s_tensor():
+    B, T, H, D, K = 1, 512, 2, 4, 8
+    q, kv = _mqa_inputs(B, T, T, H, D, seed=14, dtype=torch.float32)
+    idx = _causal_indices(B, T, T, K, seed=14)
+    with _LargestTensor() as sparse:
+        out = sparse_attention_mqa(q, kv, idx, 0.5, dv=3, chunk=64)
+        torch.autograd.grad(out.sum(), (q, kv))
+    assert sparse.largest <= T * max(K, H * D)                # indices, q / dq, chunk scratch
