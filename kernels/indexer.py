@@ -50,8 +50,11 @@ def indexer_scores_reference(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
         t1 = min(t0 + block, T)
         C = t1 - t0
         logits = torch.bmm(qf[:, t0:t1].reshape(B, C * H, D), kT).relu_()  # (B, C*H, S)
-        torch.bmm(wf[:, t0:t1].reshape(B * C, 1, H), logits.view(B * C, H, S),
-                  out=scores[:, t0:t1].view(B * C, 1, S))
+        wb = wf[:, t0:t1].reshape(B * C, 1, H)
+        if B == 1:                                              # write in place
+            torch.bmm(wb, logits.view(C, H, S), out=scores[0, t0:t1].view(C, 1, S))
+        else:
+            scores[:, t0:t1] = torch.bmm(wb, logits.view(B * C, H, S)).view(B, C, S)
     t = torch.arange(T, device=q.device)[:, None] + causal_offset
     s = torch.arange(S, device=q.device)[None, :]
     return scores.masked_fill_(s > t, float("-inf"))
