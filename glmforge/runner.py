@@ -73,6 +73,12 @@ class _CheckpointMirror:
             if self.sent.get(rel) != (st.st_size, st.st_mtime_ns):
                 self.store.put_file(f"{self.prefix}/{rel}", p)
                 self.sent[rel] = (st.st_size, st.st_mtime_ns)
+        # Then drop what the stage deleted locally (pruned checkpoints), never before the
+        # newer state is up: the remote copy always holds one complete checkpoint.
+        present = {p.relative_to(self.local).as_posix() for _, p in files}
+        for rel in sorted(set(self.sent) - present):
+            self.store.delete_prefix(f"{self.prefix}/{rel}")
+            del self.sent[rel]
 
 
 class Runner:

@@ -144,3 +144,32 @@ def test_remote_store_mirrors_checkpoint_and_resumes_elsewhere(tmp_path, jsonl, 
     assert store.list(f"checkpoints/ingest/{key}") == []  # cleaned after publishing
     clean = Runner(cfg, LocalStore(tmp_path / "other"), home=tmp_path / "c").run_stage(spec, {})
     assert clean.manifest.digest == result.manifest.digest
+
+
+def test_checkpoint_mirror_uploads_in_write_order_and_prunes(tmp_path):
+    from glmforge.runner import _CheckpointMirror
+
+    remote = LocalStore(tmp_path / "remote")
+    local = tmp_path / "ckpt"
+    (local / "step_1").mkdir(parents=True)
+    (local / "step_1" / "weights").write_bytes(b"w1")
+    (local / "latest").write_text("step_1")
+    uploads = []
+    real = remote.put_file
+    remote.put_file = lambda key, src: (uploads.append(key), real(key, src))[1]
+    mirror = _CheckpointMirror(remote, "checkpoints/s/k", local)
+    mirror.push()
+    assert uploads == ["checkpoints/s/k/step_1/weights", "checkpoints/s/k/latest"]
+    mirror.push()
+    assert len(uploads) == 2  # unchanged files are not sent again
+    (local / "step_2").mkdir()
+    (local / "step_2" / "weights").write_bytes(b"w2")
+    os.utime(local / "step_2" / "weights", ns=(10**18, 10**18))
+    (local / "latest").write_text("step_2")
+    os.utime(local / "latest", ns=(10**18 + 1, 10**18 + 1))
+    for p in (local / "step_1").iterdir():
+        p.unlink()
+    (local / "step_1").rmdir()
+    mirror.push()
+    assert uploads[2:] == ["checkpoints/s/k/step_2/weights", "checkpoints/s/k/latest"]
+    assert remote.list("checkpoints/s/k") == ["checkpoints/s/k/latest", "checkpoints/s/k/step_2/weights"]
