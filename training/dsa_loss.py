@@ -65,7 +65,8 @@ def selected_mask(indices: torch.Tensor, S: int) -> torch.Tensor:
     """indices [B,T,K] (ascending, -1 = empty slot) -> bool [B,T,S], True at selected keys."""
     B, T, _ = indices.shape
     sel = torch.zeros(B, T, S + 1, dtype=torch.bool, device=indices.device)
-    sel.scatter_(-1, torch.where(indices < 0, S, indices), True)   # slot S soaks up the -1s
+    idx = indices.long()                                             # int32 indices are allowed too
+    sel.scatter_(-1, torch.where(idx < 0, S, idx), True)            # slot S soaks up the -1s
     return sel[..., :S]
 
 

@@ -144,6 +144,13 @@ def test_sparse_kl_lives_on_the_selected_set():
         sparse_indexer_loss(output(scores, dense_probs, k))
 
 
+def test_selected_mask_takes_int32_and_empty_slots():
+    idx = torch.tensor([[[0, 2, -1], [1, -1, -1]]])
+    want = torch.tensor([[[True, False, True, False], [False, True, False, False]]])
+    assert torch.equal(selected_mask(idx, 4), want)
+    assert torch.equal(selected_mask(idx.int(), 4), want)
+
+
 def test_needs_indexer_outputs():
     with pytest.raises(ValueError, match="return_indexer"):
         warmup_indexer_loss(GLMOutput(logits=torch.zeros(1)))
