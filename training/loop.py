@@ -33,6 +33,7 @@ from training import checkpoint, metrics
 from training.config import TrainConfig
 from training.data import PackedLoader, eval_batches
 from training.engine import build_engine, set_lr
+from training.objectives import Objective, build_objective
 from training.schedule import lr_factor
 
 METRIC, CHECKPOINT = "GLMFORGE_METRIC", "GLMFORGE_CHECKPOINT"
@@ -114,25 +115,25 @@ def _sync_router_load(model: GLMModel) -> None:
 
 
 def train_step(engine, loader: PackedLoader, grad_accum: int, zero_stage: int, gamma: float,
-               device) -> tuple[dict[str, float], float | None, dict[str, float]]:
+               device, objective: Objective | None = None) -> tuple[dict[str, float], float | None, dict[str, float]]:
     """One optimizer step: grad_accum micro-batches through the engine (DeepSpeed steps the
     optimizer on the last), then the aux-loss-free router-bias update from the expert loads
-    of all micro-batches and ranks. Returns this rank's loss sums, the gradient norm and the
-    balance statistics."""
-    sums = {"loss": 0.0, "lm": 0.0, "mtp": 0.0, "balance": 0.0}
+    of all micro-batches and ranks. Returns this rank's metric sums (the objective's), the
+    gradient norm and the balance statistics."""
+    objective = objective or Objective()
+    sums: dict[str, float] = {}
     grad_norm = None
     for micro in range(grad_accum):
         b = {k: v.to(device) for k, v in loader.next_batch().items()}
-        out = engine(b["input_ids"], labels=b["labels"], doc_ids=b["doc_ids"])
-        engine.backward(out.loss)
+        loss, parts = objective.loss(engine, b)
+        engine.backward(loss)
         if zero_stage == 0 and micro == grad_accum - 1:
             # ZeRO-0 with a client optimizer does not report the norm; the gradients are
             # whole and already averaged over ranks here, so take it before clipping.
             grad_norm = _grad_norm(engine.module)
         engine.step()
-        sums["loss"] += out.loss.item()
-        for k in ("lm", "mtp", "balance"):
-            sums[k] += out.losses[k].item() if k in out.losses else 0.0
+        for k, v in parts.items():
+            sums[k] = sums.get(k, 0.0) + v
     if grad_norm is None:
         # ZeRO 1/2: DeepSpeed's norm over the partitions (for deepspeed_muon, of the Muon
         # update it has written there, not of the raw gradient)
@@ -166,6 +167,8 @@ def train(spec: dict[str, Any]) -> None:
         # Continue from the previous stage: same shapes, new config (RoPE base, max positions);
         # inv_freq is not in the state dict, so the new rope_theta takes effect.
         model.load_state_dict(load_state(spec["init_weights"]).state_dict(), strict=True)
+    objective = build_objective(spec.get("objective"))
+    objective.prepare(model)
     engine = build_engine(model, cfg, cuda)
     device = engine.device
 
@@ -200,7 +203,8 @@ def train(spec: dict[str, Any]) -> None:
         lr = cfg.lr * lr_factor(step, total, cfg.schedule, cfg.warmup_steps, cfg.min_lr_ratio, cfg.decay_fraction)
         set_lr(engine, lr)
         t0 = time.perf_counter()
-        sums, grad_norm, balance = train_step(engine, loader, cfg.grad_accum, cfg.zero_stage, gamma, device)
+        sums, grad_norm, balance = train_step(engine, loader, cfg.grad_accum, cfg.zero_stage, gamma, device,
+                                              objective)
         reduced = _all_reduce_sum(list(sums.values()))
         step += 1
         tokens += tokens_per_step

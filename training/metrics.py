@@ -102,4 +102,10 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "expert_load_max_mean": last.get("expert_load_max_mean"),
         "tokens_per_s": speeds[len(speeds) // 2] if speeds else None,
     }
+    # metrics an objective adds beyond loss/lm/mtp/balance (e.g. the DSA indexer's KL)
+    standard = {"step", "tokens", "loss", "lm", "mtp", "balance", "lr", "grad_norm", "tokens_per_s",
+                "expert_load_max_mean"}
+    for key in sorted(set(last) - standard):
+        if isinstance(last[key], (int, float)):
+            out[f"{key}_last"] = sum(r.get(key, 0.0) for r in tail) / len(tail)
     return out

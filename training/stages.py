@@ -64,8 +64,10 @@ def _state_config(path: Path) -> ModelConfig:
 
 
 def train_stage(name: str, cfg: TrainConfig, model_cfg: ModelConfig, data_dir: Path, tokenizer_dir: Path,
-                workdir: Workdir, init_weights: Path | None = None) -> dict[str, Any]:
-    """Launch (or resume) the ranks, then turn their outputs into the stage artifact + metrics."""
+                workdir: Workdir, init_weights: Path | None = None,
+                objective: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Launch (or resume) the ranks, then turn their outputs into the stage artifact + metrics.
+    `objective` names what the ranks optimise (training.objectives; default: the LM loss)."""
     train_ds = PackedDataset(data_dir, "train")
     seq_len = train_ds.seq_len
     if seq_len > model_cfg.max_position_embeddings:
@@ -101,6 +103,7 @@ def train_stage(name: str, cfg: TrainConfig, model_cfg: ModelConfig, data_dir: P
         "out_dir": str(workdir.out),
         "init_weights": str(init_weights) if init_weights else None,
         "resume": resume[0] if resume else None,
+        "objective": objective or {"name": "lm"},
     }
 
     def on_line(line: str) -> None:
