@@ -152,3 +152,26 @@ def perplexity_cmd(model: str = typer.Option(..., help="model directory (HF form
         _fail(str(e))
     typer.echo(json.dumps(res, indent=2) if as_json else
                f"perplexity {res['perplexity']:.3f} over {res['tokens']} tokens ({res['documents']} documents)")
+
+
+@eval_app.command("long-context")
+def long_context_cmd(model: str = typer.Option(..., help="model directory or store artifact (STAGE[/KEY])"),
+                     lengths: str = typer.Option("256,512,1024", help="comma-separated prompt lengths in tokens"),
+                     n_per_task: int = typer.Option(10, help="examples per task and length"),
+                     seed: int = typer.Option(0, help="suite seed"),
+                     as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
+    """RULER-like long-context accuracy (needles, multi-value, variable tracking), exact match."""
+    from evals.long_context import evaluate_checkpoint
+
+    try:
+        wanted = [int(x) for x in lengths.split(",") if x.strip()]
+        if not wanted or any(n <= 0 for n in wanted):
+            raise ValueError(f"--lengths {lengths!r}: give positive integers, e.g. 256,512,1024")
+        res = evaluate_checkpoint(resolve_model_dir(model), wanted, n_per_task=n_per_task, seed=seed)
+    except ValueError as e:
+        _fail(str(e))
+    if as_json:
+        typer.echo(json.dumps(res, indent=2))
+        return
+    for task, by_len in res["accuracy"].items():
+        typer.echo(f"{task:<18} " + "  ".join(f"{n}: {acc:.2f}" for n, acc in by_len.items()))
