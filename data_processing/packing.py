@@ -20,6 +20,9 @@ On disk, per split, shards `{split}/{k:05d}/` of up to `sequences_per_shard` seq
                    at offset 0) starts, for all sequences back to back
   index.npy        int64[n+1]: sequence i's starts are doc_starts[index[i]:index[i+1]]
   meta.json        {"sequences": n}
+  loss_mask.bin    optional (pack_samples, SFT): uint8, one per token like tokens.bin; 1 = the
+                   token is a training target. Present only when the top-level meta says
+                   "loss_mask": true; datasets without it read exactly as before.
 plus a top-level meta.json (seq_len, splits and their shards, special ids, counts). Every read
 is a byte range, so PackedDataset works on a local directory or through a Store (S3).
 """
@@ -104,9 +107,13 @@ def copies(weight: float, rng: random.Random) -> int:
 # ---------------------------------------------------------------------------------------------
 # Writing
 class _SplitWriter:
-    def __init__(self, root: Path, split: str, seq_len: int, per_shard: int, pad_id: int):
+    def __init__(self, root: Path, split: str, seq_len: int, per_shard: int, pad_id: int,
+                 loss_mask: bool = False):
         self.root, self.split, self.seq_len, self.per_shard, self.pad_id = root, split, seq_len, per_shard, pad_id
+        self.loss_mask = loss_mask
         self.buf: list[int] = []
+        self.mbuf: list[int] = []   # loss mask of buf (loss_mask=True only)
+        self.masks: list[np.ndarray] = []
         self.starts: list[int] = []  # starts inside the current (unfinished) sequence
         self.seqs: list[np.ndarray] = []
         self.seq_starts: list[list[int]] = []
@@ -114,13 +121,19 @@ class _SplitWriter:
         self.total = 0
         self.pad_tokens = 0
 
-    def add(self, ids: list[int]) -> None:
+    def add(self, ids: list[int], mask: list[int] | None = None) -> None:
+        if (mask is not None) != self.loss_mask:
+            raise ValueError("a loss mask is given exactly when the writer stores one")
+        if mask is not None and len(mask) != len(ids):
+            raise ValueError(f"loss mask has {len(mask)} entries for {len(ids)} tokens")
         pos = 0
         while pos < len(ids):
             if len(self.buf) == 0 or pos == 0:
                 self.starts.append(len(self.buf))
             take = min(self.seq_len - len(self.buf), len(ids) - pos)
             self.buf.extend(ids[pos : pos + take])
+            if mask is not None:
+                self.mbuf.extend(mask[pos : pos + take])
             pos += take
             if len(self.buf) == self.seq_len:
                 self._emit()
@@ -129,7 +142,9 @@ class _SplitWriter:
         starts = sorted(set(self.starts) | {0})
         self.seqs.append(np.asarray(self.buf, dtype=np.uint32))
         self.seq_starts.append(starts)
-        self.buf, self.starts = [], []
+        if self.loss_mask:
+            self.masks.append(np.asarray(self.mbuf, dtype=np.uint8))
+        self.buf, self.starts, self.mbuf = [], [], []
         if len(self.seqs) >= self.per_shard:
             self._flush()
 
@@ -144,16 +159,28 @@ class _SplitWriter:
         index = np.zeros(len(self.seqs) + 1, dtype=np.int64)
         index[1:] = np.cumsum([len(st) for st in self.seq_starts])
         np.save(d / "index.npy", index)
+        if self.loss_mask:
+            np.stack(self.masks).tofile(d / "loss_mask.bin")
         (d / META).write_text(json.dumps({"sequences": len(self.seqs)}))
         self.shards.append({"dir": f"{self.split}/{len(self.shards):05d}", "sequences": len(self.seqs)})
         self.total += len(self.seqs)
-        self.seqs, self.seq_starts = [], []
+        self.seqs, self.seq_starts, self.masks = [], [], []
+
+    def room(self) -> int:
+        """Tokens that still fit in the current sequence."""
+        return self.seq_len - len(self.buf)
+
+    def pad_sequence(self) -> None:
+        """Pad the current partial sequence to seq_len (padding is never a target) and emit it."""
+        if self.buf:
+            n = self.seq_len - len(self.buf)
+            self.pad_tokens += n
+            self.buf.extend([self.pad_id] * n)
+            self.mbuf.extend([0] * n if self.loss_mask else [])
+            self._emit()
 
     def close(self) -> None:
-        if self.buf:  # pad the last partial sequence
-            self.pad_tokens = self.seq_len - len(self.buf)
-            self.buf.extend([self.pad_id] * self.pad_tokens)
-            self._emit()
+        self.pad_sequence()  # the last partial sequence
         self._flush()
 
 
@@ -219,6 +246,34 @@ def run(cfg: PackConfig, inputs: dict[str, Path], workdir: Workdir) -> dict:
     }
 
 
+def pack_samples(splits: dict[str, list[tuple[list[int], list[int]]]], out: Path, seq_len: int, pad_id: int,
+                 eos_id: int, sequences_per_shard: int = 8192, extra_meta: dict | None = None) -> dict:
+    """Pack whole samples (ids, loss mask) in the given order, never splitting one: a sample that
+    does not fit in the current sequence starts a new one (the rest is padding). Every sample
+    start is a document start, so attention and positions restart per sample, and the loss mask
+    is stored beside the tokens (meta "loss_mask": true). A sample longer than seq_len is a
+    ValueError: the caller decides what to drop."""
+    meta: dict[str, Any] = {"seq_len": seq_len, "dtype": "uint32", "eos_id": eos_id, "pad_id": pad_id,
+                            "loss_mask": True, "splits": {}, **(extra_meta or {})}
+    for split, samples in splits.items():
+        w = _SplitWriter(out, split, seq_len, sequences_per_shard, pad_id, loss_mask=True)
+        n_tokens = n_targets = 0
+        for i, (ids, mask) in enumerate(samples):
+            if len(ids) > seq_len:
+                raise ValueError(f"{split} sample {i} has {len(ids)} tokens, more than seq_len={seq_len}")
+            if len(ids) > w.room():
+                w.pad_sequence()
+            w.add(list(ids), list(mask))
+            n_tokens += len(ids)
+            n_targets += int(sum(mask))
+        w.close()
+        meta["splits"][split] = {"sequences": w.total, "shards": w.shards, "documents": len(samples),
+                                 "tokens": n_tokens, "target_tokens": n_targets, "pad_tokens": w.pad_tokens}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / META).write_text(json.dumps(meta, indent=2))
+    return meta
+
+
 # ---------------------------------------------------------------------------------------------
 # Reading
 class PackedDataset:
@@ -279,7 +334,12 @@ class PackedDataset:
         tokens = np.frombuffer(self._read(f"{d}/tokens.bin", j * nbytes, (j + 1) * nbytes), dtype=np.uint32)
         idx = self._shard_index(k)
         starts = np.frombuffer(self._read(f"{d}/doc_starts.bin", int(idx[j]) * 4, int(idx[j + 1]) * 4), dtype=np.uint32)
-        return {"input_ids": tokens.astype(np.int64), "doc_starts": starts.astype(np.int64)}
+        item = {"input_ids": tokens.astype(np.int64), "doc_starts": starts.astype(np.int64)}
+        if self.meta.get("loss_mask"):
+            mask = np.frombuffer(self._read(f"{d}/loss_mask.bin", j * self.seq_len, (j + 1) * self.seq_len),
+                                 dtype=np.uint8)
+            item["loss_mask"] = mask.astype(np.int64)
+        return item
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         for i in range(len(self)):

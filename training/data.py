@@ -14,6 +14,9 @@ Batch tensors (B micro-batch, T seq_len):
   input_ids [B,T] long; labels [B,T] = input_ids shifted left, the last position and padding
   targets are -100; doc_ids [B,T] long, a new id at every document start (doc_starts), so the
   model restarts positions and masks attention per document.
+Items may carry "loss_mask" [T] (SFT data, data_processing.packing.pack_samples): 1 where the
+token is a training target. labels[t] predicts token t+1, so it becomes -100 where
+loss_mask[t+1] is 0 (prompt, user, tool and padding tokens contribute no loss).
 """
 from __future__ import annotations
 
@@ -41,6 +44,9 @@ def collate(items: list[dict[str, np.ndarray]], pad_id: int | None) -> dict[str,
     labels[:, :-1] = ids[:, 1:]
     if pad_id is not None:
         labels[labels == pad_id] = IGNORE
+    if "loss_mask" in items[0]:
+        mask = torch.from_numpy(np.stack([it["loss_mask"] for it in items]))           # [B,T]
+        labels[:, :-1][mask[:, 1:] == 0] = IGNORE
     return {"input_ids": ids, "labels": labels, "doc_ids": docs}
 
 
@@ -92,7 +98,7 @@ class PackedLoader:
     def _items(self, indices: np.ndarray) -> list[dict[str, np.ndarray]]:
         items = [self.dataset[int(i)] for i in indices]
         if self.seq_len < self.dataset.seq_len:
-            items = [{"input_ids": it["input_ids"][: self.seq_len],
+            items = [{**{k: v[: self.seq_len] for k, v in it.items() if k in ("input_ids", "loss_mask")},
                       "doc_starts": it["doc_starts"][it["doc_starts"] < self.seq_len]} for it in items]
         return items
 

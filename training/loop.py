@@ -13,6 +13,7 @@ Rank 0 prints two kinds of protocol lines the launching stage reacts to:
 """
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -167,7 +168,12 @@ def train(spec: dict[str, Any]) -> None:
         # Continue from the previous stage: same shapes, new config (RoPE base, max positions);
         # inv_freq is not in the state dict, so the new rope_theta takes effect.
         model.load_state_dict(load_state(spec["init_weights"]).state_dict(), strict=True)
-    objective = build_objective(spec.get("objective"))
+    objective_spec = dict(spec.get("objective") or {"name": "lm"})
+    if objective_spec.get("module"):
+        # An objective registered outside training.objectives (e.g. training.sft's "sft")
+        # registers itself when its module is imported; the rank process imports it here.
+        importlib.import_module(objective_spec["module"])
+    objective = build_objective({k: v for k, v in objective_spec.items() if k != "module"})
     objective.prepare(model)
     engine = build_engine(model, cfg, cuda)
     device = engine.device
@@ -256,5 +262,10 @@ def export(model: GLMModel, out_dir: Path, tokenizer_dir: str | None, evals: dic
     model.load_state_dict(state, strict=True)
     model.eval()
     save_state(model, out_dir / "consolidated.safetensors")
-    save_pretrained(model, out_dir / "hf", tokenizer_dir=tokenizer_dir)
+    if all(kind == "dsa" for kind in model.config.layer_kinds):
+        save_pretrained(model, out_dir / "hf", tokenizer_dir=tokenizer_dir)
+    else:
+        # transformers' GlmMoeDsa has DSA layers only (model.hf.to_hf_config refuses others): an
+        # attention-variant model (the SWA baseline of dsa-adapt) is published in our format only.
+        print(f"no HF export: attention pattern {model.config.layer_kinds} is not all DSA", flush=True)
     (out_dir / "eval.json").write_text(json.dumps(evals, indent=1))

@@ -1,0 +1,237 @@
+"""SFT: the loss mask (only assistant tokens train), the SFT data (three thinking modes, tool
+calls whose responses are the real tool outputs, sample boundaries in the packed data) and a
+short QAT stage run that checkpoints, resumes and reports the INT4 comparison."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from data_processing.packing import PackedDataset
+from data_processing.tokenizer import TOKENIZER_FILE, load_tokenizer
+from glmforge.stage import Workdir
+from model.config import tiny
+from model.hf import save_state
+from model.model import GLMModel
+from posttrain.chat_template import THINKING_MODES, parse_assistant
+from posttrain.qat import QATConfig, _is_qat
+from tests.training.conftest import MODEL_OVERRIDES
+from training import checkpoint, metrics
+from training.data import IGNORE, collate, doc_ids_from_starts
+from training.objectives import build_objective
+from training.sft import MODELS, SFTConfig, objective_spec, run_sft
+from training.sft_data import (CALCULATOR, SEARCH_DOCS, DocIndex, SFTDataConfig, build_samples, build_sft_data,
+                               calculator, gsm8k_splits, stdlib_functions)
+
+SEQ = 512
+DATA = SFTDataConfig(reasoning=36, tool_calc=18, tool_docs=9, code=9, val_per_kind=3)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(packed):
+    return load_tokenizer(packed["tokenize"])
+
+
+@pytest.fixture(scope="module")
+def sft_data(tokenizer, tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("sft_data")
+    return out, build_sft_data(DATA, tokenizer, out, SEQ)
+
+
+def _model(seed: int = 0) -> GLMModel:
+    torch.manual_seed(seed)
+    return GLMModel(tiny().replace(**{**MODEL_OVERRIDES, "vocab_size": 512}))
+
+
+# ---------------------------------------------------------------- data
+def test_all_thinking_modes_and_kinds_are_present():
+    samples = build_samples(DATA)
+    train = samples["train"]
+    assert {s.thinking_mode for s in train} == set(THINKING_MODES)
+    assert {s.kind for s in train} == {"reasoning", "tool_calc", "tool_docs", "code"}
+    users = [m for s in train for m in s.messages if m.role == "user"]
+    assert any(not m.thinking for m in users) and any(m.thinking for m in users)      # turn mode on and off
+    multi = [s for s in train if sum(m.role == "user" for m in s.messages) == 2]
+    assert {s.thinking_mode for s in multi} == set(THINKING_MODES)                     # modes differ there
+    # held out: GSM8K's first 200 questions never appear in training
+    _, held = gsm8k_splits(DATA)
+    held_q = {p.question for p in held}
+    train_q = {m.content for s in train for m in s.messages if m.role == "user"}
+    val_q = {m.content for s in samples["val"] for m in s.messages if m.role == "user"}
+    assert not held_q & train_q and held_q & val_q
+
+
+def test_tool_calls_carry_the_real_tool_outputs(tokenizer):
+    index = DocIndex(stdlib_functions(), DATA.max_doc_chars)
+    tools = {"calculator": lambda a: calculator(a["expression"]), "search_docs": lambda a: index.search(a["query"])}
+    checked = {"calculator": 0, "search_docs": 0}
+    for s in build_samples(DATA)["train"]:
+        for i, m in enumerate(s.messages):
+            if m.role != "assistant" or not m.tool_calls:
+                continue
+            assert s.tools and {t["function"]["name"] for t in s.tools} <= {"calculator", "search_docs"}
+            (call,) = m.tool_calls
+            assert s.messages[i + 1].role == "tool"
+            assert s.messages[i + 1].content == tools[call.name](call.arguments)
+            checked[call.name] += 1
+        if s.kind.startswith("tool"):
+            # the call survives the template: parse the rendered assistant text back
+            enc = s.encode(tokenizer)
+            assert sum(enc.loss_mask) > 0
+    assert checked["calculator"] >= 10 and checked["search_docs"] >= 5
+    assert calculator("48/2") == "24" and calculator("0.2*50") == "10" and calculator("(3+4)*2-1") == "13"
+    with pytest.raises(ValueError):
+        calculator("__import__('os')")
+    assert "dedent" in index.search("textwrap.dedent") and "Remove any common leading whitespace" in index.search("textwrap.dedent")
+    assert parse_assistant("<think></think><tool_call>calculator<arg_key>expression</arg_key>"
+                           "<arg_value>48/2</arg_value></tool_call><|observation|>", [CALCULATOR]).ok
+    assert SEARCH_DOCS["function"]["name"] == "search_docs"
+
+
+def test_packed_sft_data_has_sample_boundaries_and_the_mask(sft_data, tokenizer):
+    out, stats = sft_data
+    ds = PackedDataset(out, "train")
+    assert ds.meta["loss_mask"] and len(ds) == stats["train_sequences"]
+    assistant, user = tokenizer.token_to_id("<|assistant|>"), tokenizer.token_to_id("<|user|>")
+    system = tokenizer.token_to_id("<|system|>")
+    seen_multi = False
+    for i in range(len(ds)):
+        it = ds[i]
+        ids, mask, starts = it["input_ids"], it["loss_mask"], it["doc_starts"]
+        assert mask.shape == ids.shape and set(np.unique(mask)) <= {0, 1}
+        # every sample starts a document, with a <|system|> (tools) or <|user|> turn
+        assert all(ids[s] in (user, system) for s in starts if mask[s] == 0 and ids[s] != ds.meta["pad_id"])
+        seen_multi |= len(starts) > 1
+        assert not mask[ids == assistant].any()              # role markers are context
+        assert not mask[ids == ds.meta["pad_id"]].any()
+        docs = doc_ids_from_starts(starts, len(ids))
+        assert np.all(np.diff(docs) >= 0)
+    assert seen_multi, "no sequence packs more than one sample"
+
+
+# ---------------------------------------------------------------- the loss mask
+def _roles(ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Positions of context tokens (mask 0, not padding) and of assistant tokens (mask 1)."""
+    return np.flatnonzero(mask == 0), np.flatnonzero(mask == 1)
+
+
+def test_user_and_tool_tokens_never_contribute_to_the_loss(sft_data):
+    out, _ = sft_data
+    ds = PackedDataset(out, "train")
+    pad = ds.meta["pad_id"]
+    items = [ds[i] for i in range(2)]
+    batch = collate(items, pad)
+    model = _model()
+    objective = build_objective({"name": "sft", "qat": QATConfig(group_size=16).model_dump()})
+    objective.prepare(model)
+    assert any(_is_qat(m) for m in model.modules())
+
+    def loss_and_grads(labels_from: list[dict]) -> tuple[float, list[torch.Tensor]]:
+        model.zero_grad()
+        b = {**batch, "labels": collate(labels_from, pad)["labels"]}
+        loss, parts = objective.loss(model, b)
+        loss.backward()
+        return loss.item(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    base_loss, base_grads = loss_and_grads(items)
+    rng = np.random.default_rng(0)
+    # Targets are read from the token stream: perturb every context token (system, user, tool
+    # results, role markers) as a target, the inputs the model reads staying the same.
+    perturbed = []
+    for it in items:
+        ids = it["input_ids"].copy()
+        ctx, _ = _roles(ids, it["loss_mask"])
+        ids[ctx] = rng.integers(0, 512, len(ctx))
+        perturbed.append({**it, "input_ids": ids})
+    loss, grads = loss_and_grads(perturbed)
+    assert loss == base_loss
+    assert all(torch.equal(a, b) for a, b in zip(base_grads, grads))
+    # one assistant token changed as a target: loss and gradients change
+    one = [dict(it) for it in items]
+    ids = one[0]["input_ids"].copy()
+    _, asst = _roles(ids, one[0]["loss_mask"])
+    ids[asst[len(asst) // 2]] = (ids[asst[len(asst) // 2]] + 1) % 512
+    one[0] = {**one[0], "input_ids": ids}
+    loss, grads = loss_and_grads(one)
+    assert loss != base_loss
+    assert any(not torch.equal(a, b) for a, b in zip(base_grads, grads))
+
+    # And directly: the logits whose gradient is non-zero are exactly those predicting an
+    # assistant token (main head and MTP head alike).
+    captured = []
+    def keep(module, inputs, output) -> None:
+        output.retain_grad()
+        captured.append(output)
+
+    hook = model.lm_head.register_forward_hook(keep)
+    model.zero_grad()
+    loss, _ = objective.loss(model, batch)
+    loss.backward()
+    hook.remove()
+    labels = batch["labels"]
+    for k, logits in enumerate(captured):               # k = 0 main head, k >= 1 MTP depth k
+        trained = logits.grad.abs().sum(-1) > 0                                       # [B,T]
+        target_ok = torch.zeros_like(trained)
+        target_ok[:, : labels.shape[1] - k] = labels[:, k:] != IGNORE
+        assert not (trained & ~target_ok).any(), f"head {k}: a context token is a target"
+        if k == 0:
+            assert torch.equal(trained, target_ok)
+    assert len(captured) == 2                            # lm head + one MTP step
+
+
+# ---------------------------------------------------------------- the stage
+def _config(**kw) -> SFTConfig:
+    base = dict(seq_len=SEQ, data=DATA, qat=QATConfig(group_size=16), micro_batch_size=2, max_steps=4,
+                checkpoint_every=2, keep_last=3, lr=0.01, warmup_steps=1, eval_sequences=8, eval_gsm8k=2,
+                max_new_tokens=8, optimizer="adamw", launch={"nproc_per_node": 1})
+    return SFTConfig(**{**base, **kw})
+
+
+def test_objective_spec_names_its_module():
+    spec = objective_spec(QATConfig(group_size=16))
+    assert spec["module"] == "training.sft" and spec["qat"]["group_size"] == 16
+    with pytest.raises(ValueError, match="unknown training objective"):
+        build_objective({"name": "nope"})
+
+
+def test_sft_stage_with_qat_checkpoints_resumes_and_reports_int4(packed, tmp_path, caplog):
+    parent = tmp_path / "context-3"
+    save_state(_model(), parent / "consolidated.safetensors")
+    inputs = {"context-3": parent, "tokenize": packed["tokenize"]}
+    wd = Workdir.at(tmp_path / "sft", seed=3)
+    cfg = _config()
+    with caplog.at_level(logging.INFO, logger="glmforge"):
+        result = run_sft(cfg, inputs, wd)
+    q = result["quantization"]
+    assert set(q) == set(MODELS)
+    for row in q.values():
+        assert row["ppl"] > 1 and 0 <= row["gsm8k_acc"] <= 1 and row["gsm8k_n"] == 2
+    assert q["full"]["ppl"] != q["qat_int4"]["ppl"]                # INT4 is not the full model
+    b = result["int4_bytes"]
+    assert b["int4_bytes"] * 4 == b["fp16_bytes"] and b["quantized_params"] > 0
+    assert "qat_recovery_ppl" in result and "INT4" in caplog.text
+    first = metrics.read(wd.checkpoint / "metrics.jsonl")
+    assert [r["step"] for r in first] == [1, 2, 3, 4]
+    assert checkpoint.tags(wd.checkpoint) == [checkpoint.tag_for(s) for s in (2, 4)]
+    for f in ("consolidated.safetensors", "hf/config.json", "export/full/model.safetensors",
+              "export/int4/model.safetensors", "export/int4/config.json", "int4/model_int4.safetensors", "eval.json"):
+        assert (wd.out / f).is_file(), f
+    assert "quantization_config" in (wd.out / "export/int4/config.json").read_text()
+    assert (wd.checkpoint / "baseline/out/consolidated.safetensors").is_file()
+
+    # resume: lose the last checkpoint, run again -> continues from step 2, same steps 3-4
+    import shutil
+    shutil.rmtree(wd.checkpoint / checkpoint.tag_for(4))
+    (wd.checkpoint / checkpoint.LATEST).write_text(checkpoint.tag_for(2))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="glmforge"):
+        again = run_sft(cfg, inputs, wd)
+    assert "resuming from checkpoint" in caplog.text and again["resumed_from_step"] == 2
+    second = metrics.read(wd.checkpoint / "metrics.jsonl")
+    assert [r["step"] for r in second] == [1, 2, 3, 4]
+    for a, c in zip(first, second):
+        assert a["loss"] == c["loss"] and a["lm"] == c["lm"], a["step"]
+    assert again["quantization"]["full"]["ppl"] == q["full"]["ppl"]

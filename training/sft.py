@@ -1,0 +1,234 @@
+"""The `sft` stage: supervised fine-tuning on chat, reasoning, tool-use and code conversations
+(training.sft_data), with INT4 quantization-aware training, then the INT4 evaluation and exports.
+
+    context-3 (weights), tokenize (tokenizer) --> sft
+
+1. Data: training.sft_data builds the conversations, encodes them with the chat template (loss
+   mask = the assistant's tokens) and packs whole samples with their masks under
+   workdir.checkpoint/data (rebuilt only when missing: the build is deterministic).
+2. Training: training.stages.train_stage with the `sft` objective below, i.e. the shared loop,
+   launch, checkpoints, resume and metrics. The objective fake-quantizes the selected weights
+   (posttrain.qat.prepare_qat, state-dict names unchanged, so checkpoints and resume are those
+   of any stage) and takes the model's LM + MTP loss on the masked labels (training.data.collate
+   sets -100 wherever the loss mask is 0).
+3. The PTQ baseline: a second train_stage run, identical (same seed, data order, steps) except
+   without QAT, under workdir.checkpoint/baseline. Its round-to-nearest INT4 is `ptq_int4`.
+   (PTQ of the QAT run's own weights would be no baseline: it IS the QAT INT4 model.)
+4. Evaluation in this process, on held-out data: perplexity over the assistant tokens of the
+   held-out conversations and greedy GSM8K accuracy on held-out questions (thinking off, short
+   answers) for
+       full      the QAT-trained weights without quantization
+       qat_int4  the real INT4 conversion of those weights (posttrain.qat.save_int4 ->
+                 load_int4_model: packed int4 + scales through int4_matmul)
+       ptq_int4  the same conversion of the baseline run's weights
+       full_no_qat  the baseline run in full precision (the reference PTQ degrades from)
+   recovery = (ppl(ptq_int4) - ppl(qat_int4)) / (ppl(ptq_int4) - ppl(full_no_qat)): the share
+   of the PTQ degradation that QAT wins back (GLM-5's target: at least 2/3).
+5. Exports under workdir.out: consolidated.safetensors + hf/ (the loop's, full precision),
+   export/full (model.hf.save_pretrained) and export/int4 (compressed-tensors pack-quantized,
+   posttrain.export_int4.export_all), int4/model_int4.safetensors (our INT4 format), eval.json.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import Field
+
+from data_processing.packing import META, PackedDataset
+from data_processing.tokenizer import load_tokenizer
+from glmforge.stage import StageSpec, Workdir
+from model.generate import generate
+from model.hf import load_state
+from model.model import GLMModel
+from posttrain.chat_template import STOP_TOKENS, Message, encode, parse_assistant
+from posttrain.export_int4 import export_all
+from posttrain.qat import QATConfig, convert_int4, int4_bytes, load_int4_model, prepare_qat, save_int4
+from training.config import TrainConfig
+from training.data import eval_batches
+from training.objectives import Objective, register
+from training.sft_data import SFTDataConfig, build_sft_data, extract_answer, format_number, gsm8k_splits
+from training.stages import _state_config, train_stage
+
+log = logging.getLogger("glmforge")
+MODELS = ("full", "ptq_int4", "qat_int4", "full_no_qat")
+
+
+class SFTConfig(TrainConfig):
+    """SFT on top of the last context-extension stage. The training fields are TrainConfig's."""
+
+    seq_len: int = Field(1024, ge=16, description="packed sequence length (longer samples are dropped)")
+    data: SFTDataConfig = SFTDataConfig()
+    qat: QATConfig = QATConfig()
+    use_qat: bool = Field(True, description="fake-quantize during training (INT4 QAT)")
+    ptq_baseline: bool = Field(True, description="also train the same run without QAT: the PTQ baseline")
+    eval_gsm8k: int = Field(16, ge=0, description="held-out GSM8K questions answered by greedy generation")
+    max_new_tokens: int = Field(96, ge=1, description="generation budget per GSM8K answer")
+
+
+# ---------------------------------------------------------------- the objective (rank side)
+@register("sft")
+class SFTObjective(Objective):
+    """The model's LM + MTP (+ balance) loss on masked labels, with INT4 fake quantization of
+    the weights QATConfig selects when `qat` is given."""
+
+    def __init__(self, qat: dict[str, Any] | None = None):
+        super().__init__()
+        self.qat = None if qat is None else QATConfig.model_validate(qat)
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        if self.qat is not None:
+            prepare_qat(model, self.qat)
+
+
+def objective_spec(qat: QATConfig | None) -> dict[str, Any]:
+    """The rank spec's objective: the ranks import this module to find "sft"."""
+    return {"name": "sft", "module": __name__, "qat": None if qat is None else qat.model_dump(mode="json")}
+
+
+# ---------------------------------------------------------------- evaluation (stage side)
+@torch.no_grad()
+def perplexity(model: GLMModel, data_dir: Path, micro_batch_size: int, max_sequences: int) -> dict[str, float]:
+    """Token-weighted LM loss over the held-out split's target (assistant) tokens."""
+    model.eval()
+    nll, count = 0.0, 0
+    for b in eval_batches(PackedDataset(data_dir, "val"), micro_batch_size, max_sequences):
+        out = model(b["input_ids"], labels=b["labels"], doc_ids=b["doc_ids"], compute_mtp=False)
+        n = int((b["labels"] != -100).sum())
+        nll += out.losses["lm"].item() * n
+        count += n
+    if count == 0:
+        raise ValueError("the held-out SFT split has no assistant tokens to score")
+    return {"loss": nll / count, "ppl": math.exp(min(nll / count, 50.0)), "tokens": count}
+
+
+@torch.no_grad()
+def gsm8k_accuracy(model: GLMModel, tokenizer, problems: list, max_new_tokens: int) -> dict[str, Any]:
+    """Greedy answers to the questions, thinking off (turn mode, "/nothink"): exact match of the
+    final number (after '####', else the last number of the reply's content)."""
+    if not problems:
+        return {"acc": None, "n": 0}
+    stops = {tokenizer.token_to_id(t) for t in STOP_TOKENS}
+    pad = tokenizer.token_to_id("<|pad|>")
+    prompts = [encode(tokenizer, [Message("user", p.question, thinking=False)], thinking_mode="turn",
+                      add_generation_prompt=True).ids for p in problems]
+    T = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (T - len(p)) + p for p in prompts])                 # left-padded
+    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
+    new = generate(model, ids, max_new_tokens, greedy=True, attention_mask=mask).new_tokens.tolist()
+    correct, replies = 0, []
+    for p, toks in zip(problems, new):
+        cut = next((i + 1 for i, t in enumerate(toks) if t in stops), len(toks))  # keep the stop token
+        text = tokenizer.decode(toks[:cut], skip_special_tokens=False)
+        got = extract_answer(parse_assistant(text).message.content)
+        correct += got is not None and got == format_number(float(p.answer))
+        replies.append(text)
+    return {"acc": correct / len(problems), "n": len(problems), "example": replies[0][:200]}
+
+
+def _score(model: GLMModel, cfg: SFTConfig, data_dir: Path, tokenizer, problems: list) -> dict[str, Any]:
+    ppl = perplexity(model, data_dir, cfg.micro_batch_size, cfg.eval_sequences)
+    acc = gsm8k_accuracy(model, tokenizer, problems, cfg.max_new_tokens)
+    return {"ppl": ppl["ppl"], "loss": ppl["loss"], "gsm8k_acc": acc["acc"], "gsm8k_n": acc["n"],
+            "gsm8k_example": acc.get("example")}
+
+
+def recovery(ptq: float | None, qat: float | None, reference: float | None) -> float | None:
+    """Share of the PTQ degradation (ptq - reference) that QAT wins back; None when PTQ does not
+    degrade (nothing to recover) or a number is missing."""
+    if None in (ptq, qat, reference) or ptq - reference <= 1e-9:
+        return None
+    return (ptq - qat) / (ptq - reference)
+
+
+def evaluate_quantization(cfg: SFTConfig, qat_weights: Path, baseline_weights: Path | None, data_dir: Path,
+                          tokenizer, int4_dir: Path, scratch: Path) -> dict[str, Any]:
+    """The quantization table (module doc, step 4) and the INT4 sizes."""
+    problems = gsm8k_splits(cfg.data)[1][: cfg.eval_gsm8k]
+    torch.manual_seed(0)
+    table: dict[str, Any] = {}
+    full = load_state(qat_weights).eval()
+    table["full"] = _score(full, cfg, data_dir, tokenizer, problems)
+    save_int4(full, cfg.qat, int4_dir)
+    sizes = int4_bytes(convert_int4(full, cfg.qat))
+    table["qat_int4"] = _score(load_int4_model(int4_dir), cfg, data_dir, tokenizer, problems)
+    if baseline_weights is not None:
+        base = load_state(baseline_weights).eval()
+        table["full_no_qat"] = _score(base, cfg, data_dir, tokenizer, problems)
+        save_int4(base, cfg.qat, scratch)
+        table["ptq_int4"] = _score(load_int4_model(scratch), cfg, data_dir, tokenizer, problems)
+    ref = table.get("full_no_qat", {}).get("ppl")
+    ptq = table.get("ptq_int4", {}).get("ppl")
+    return {"quantization": table, "int4_bytes": sizes,
+            "qat_recovery_ppl": recovery(ptq, table["qat_int4"]["ppl"], ref),
+            "ptq_degradation_ppl": None if ptq is None else ptq - ref,
+            "qat_degradation_ppl": None if ref is None else table["qat_int4"]["ppl"] - ref}
+
+
+# ---------------------------------------------------------------- the stage
+def _data(cfg: SFTConfig, tokenizer, workdir: Workdir) -> tuple[Path, dict[str, Any]]:
+    """Build the packed SFT data once; a retry reuses it (written to a temp dir, then renamed,
+    so a half-written one is never taken for complete)."""
+    data_dir = workdir.checkpoint / "data"
+    stats_file = data_dir / "build.json"
+    if not (data_dir / META).exists() or not stats_file.exists():
+        tmp = workdir.checkpoint / "data.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(data_dir, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        stats = build_sft_data(cfg.data, tokenizer, tmp, cfg.seq_len)
+        (tmp / "build.json").write_text(json.dumps(stats, indent=1))
+        os.replace(tmp, data_dir)
+        workdir.persist_checkpoint()
+    return data_dir, json.loads(stats_file.read_text())
+
+
+def run_sft(cfg: SFTConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
+    init = Path(inputs["context-3"]) / "consolidated.safetensors"
+    if not init.exists():
+        raise ValueError("context-3's artifact has no consolidated.safetensors to fine-tune")
+    base = _state_config(init)
+    model_cfg = base.replace(max_position_embeddings=max(base.max_position_embeddings, cfg.seq_len))
+    tok_dir = Path(inputs["tokenize"])
+    tokenizer = load_tokenizer(tok_dir)
+    data_dir, data_stats = _data(cfg, tokenizer, workdir)
+
+    result = train_stage("sft", cfg, model_cfg, data_dir, tok_dir, workdir, init,
+                         objective_spec(cfg.qat if cfg.use_qat else None))
+
+    baseline = None
+    if cfg.ptq_baseline and cfg.use_qat:
+        root = workdir.checkpoint / "baseline"
+        bwd = Workdir(out=root / "out", checkpoint=root / "checkpoint", progress=workdir.progress,
+                      persist_checkpoint=workdir.persist_checkpoint, seed=workdir.seed)
+        bwd.out.mkdir(parents=True, exist_ok=True)
+        bwd.checkpoint.mkdir(parents=True, exist_ok=True)
+        train_stage("sft-baseline", cfg, model_cfg, data_dir, tok_dir, bwd, init, objective_spec(None))
+        baseline = bwd.out / "consolidated.safetensors"
+
+    out = workdir.out
+    scratch = workdir.checkpoint / "ptq_int4"
+    quant = evaluate_quantization(cfg, out / "consolidated.safetensors", baseline, data_dir, tokenizer,
+                                  out / "int4", scratch)
+    shutil.rmtree(scratch, ignore_errors=True)
+    b = quant["int4_bytes"]
+    log.info("sft: INT4 %d quantized params: %.0f bytes int4 + %.0f bytes scales vs %.0f bytes fp16 (x%.3f)",
+             b["quantized_params"], b["int4_bytes"], b["scale_bytes"], b["fp16_bytes"], b["ratio_with_scales"])
+    for name, row in quant["quantization"].items():
+        log.info("sft: %-11s held-out ppl %.3f  gsm8k acc %s (n=%d)", name, row["ppl"], row["gsm8k_acc"], row["gsm8k_n"])
+    log.info("sft: QAT recovers %s of the PTQ perplexity degradation", quant["qat_recovery_ppl"])
+
+    export_all(load_state(out / "consolidated.safetensors").eval(), cfg.qat, out / "export", tok_dir)
+    evals = json.loads((out / "eval.json").read_text())
+    (out / "eval.json").write_text(json.dumps({**evals, **quant}, indent=1))
+    return {**result, **quant, "data": data_stats, "qat": cfg.use_qat, "qat_group_size": cfg.qat.group_size}
+
+
+STAGE = StageSpec("sft", "sft", SFTConfig, run_sft, parents=("context-3", "tokenize"))
+STAGES: list[StageSpec] = [STAGE]

@@ -1,0 +1,359 @@
+"""SFT conversations built from real sources in the repo, tokenized through the chat template and
+packed with their loss masks.
+
+Kinds of sample (every kind cycles through the three thinking modes of posttrain.chat_template:
+interleaved, preserved, turn; in turn mode every other sample switches thinking off):
+    reasoning   a GSM8K question answered with its human-written rationale as reasoning (the
+                <<a*b=c>> calculator annotations removed); every third one is a two-question,
+                two-turn conversation, so interleaved (history reasoning dropped) and preserved
+                (kept) render differently.
+    tool_calc   the same questions solved with the `calculator` tool: each <<expr=result>>
+                annotation becomes a <tool_call>calculator(expression=expr)</tool_call> turn and
+                its <tool_response> is what our calculator actually computes for expr (a sample
+                whose annotation disagrees with the real result is left out).
+    tool_docs   "What does textwrap.dedent do?" answered by calling `search_docs`, a lookup
+                over the docstrings of local Python standard-library modules (parsed with ast,
+                nothing imported); the tool response is the real docstring.
+    code        "write the function given its signature and docstring" for standard-library
+                functions; the answer is the function's real source.
+
+Held out (the "val" split and the GSM8K accuracy eval): GSM8K's first `eval_lines` lines (the
+decontamination stage treats train_first200.jsonl as an eval set, so training never sees them)
+and the standard-library functions whose name hashes into `val_fraction` (crc32, stable across
+runs and machines).
+
+Tokenization goes only through posttrain.chat_template.encode, so the loss mask is 1 on the
+assistant's own tokens (kept reasoning, content, tool calls, end token) and 0 elsewhere;
+data_processing.packing.pack_samples stores it beside the tokens, with a document start at
+every sample so attention never crosses samples.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import random
+import re
+import sysconfig
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from data_processing.common import expand_path
+from data_processing.packing import pack_samples
+from data_processing.tokenizer import EOS, PAD
+from posttrain.chat_template import THINKING_MODES, Message, ToolCall, encode
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+# Small, pure-Python modules with documented top-level functions (the docs-tool corpus and the
+# code tasks). Missing ones (another Python version) are skipped.
+DOC_MODULES = ("textwrap", "shlex", "fnmatch", "posixpath", "base64", "heapq", "bisect", "statistics",
+               "difflib", "calendar", "colorsys", "glob", "string", "html/__init__", "json/__init__",
+               "keyword", "copy", "quopri", "uu", "imghdr", "sndhdr", "random", "shutil", "tempfile",
+               "urllib/parse", "email/utils", "tokenize", "linecache", "ntpath", "genericpath")
+
+CALCULATOR = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression (+ - * / and parentheses).",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+SEARCH_DOCS = {"type": "function", "function": {
+    "name": "search_docs", "description": "Look up the docstring of a Python standard-library function by "
+                                          "its dotted name (module.function) or bare function name.",
+    "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}
+KINDS = ("reasoning", "tool_calc", "tool_docs", "code")
+
+
+class SFTDataConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    gsm8k_path: str = Field("{samples}/gsm8k/train.jsonl", description="GSM8K train.jsonl ({samples} expands)")
+    eval_lines: int = Field(200, ge=1, description="GSM8K's first lines: held out (decontamination's eval set)")
+    reasoning: int = Field(600, ge=0, description="training samples of each kind")
+    tool_calc: int = Field(300, ge=0)
+    tool_docs: int = Field(150, ge=0)
+    code: int = Field(150, ge=0)
+    val_per_kind: int = Field(16, ge=1, description="held-out conversations of each kind")
+    val_fraction: float = Field(0.15, gt=0, lt=1, description="share of stdlib functions held out")
+    max_doc_chars: int = Field(600, ge=50, description="search_docs returns at most this much of a docstring")
+    max_code_chars: int = Field(700, ge=50, description="code tasks use functions up to this source length")
+    max_calls: int = Field(4, ge=1, description="tool_calc samples have at most this many calculator calls")
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Sample:
+    kind: str
+    messages: tuple[Message, ...]
+    tools: tuple[dict, ...] | None
+    thinking_mode: str
+    train_history: bool = True
+
+    def encode(self, tokenizer):
+        return encode(tokenizer, self.messages, list(self.tools) if self.tools else None, self.thinking_mode,
+                      train_history=self.train_history)
+
+
+# ---------------------------------------------------------------- tools
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def _eval(node: ast.AST) -> float:
+    if isinstance(node, ast.Expression):
+        return _eval(node.body)
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        return float(node.value)
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_eval(node.left), _eval(node.right))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        v = _eval(node.operand)
+        return -v if isinstance(node.op, ast.USub) else v
+    raise ValueError(f"unsupported expression element {ast.dump(node)[:60]}")
+
+
+def format_number(v: float) -> str:
+    """Integers without a decimal point, others to 6 significant digits (what the tool prints)."""
+    if abs(v - round(v)) < 1e-9:
+        return str(int(round(v)))
+    return f"{v:.6g}"
+
+
+def calculator(expression: str) -> str:
+    """The calculator tool: + - * / and parentheses on numbers, evaluated for real (no eval())."""
+    try:
+        tree = ast.parse(expression.replace(",", ""), mode="eval")
+        return format_number(_eval(tree))
+    except (SyntaxError, ZeroDivisionError, ValueError, OverflowError) as e:
+        raise ValueError(f"calculator cannot evaluate {expression!r}: {e}") from None
+
+
+@dataclass(frozen=True)
+class Function:
+    name: str          # module.function
+    signature: str     # function(args)
+    doc: str
+    source: str
+
+
+def stdlib_functions(modules: tuple[str, ...] = DOC_MODULES) -> list[Function]:
+    """Documented public top-level functions of the modules, read with ast (never imported)."""
+    out = []
+    for m in modules:
+        path = STDLIB / f"{m}.py"
+        if not path.exists():
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        mod = m.removesuffix("/__init__").replace("/", ".")
+        for node in ast.parse(text).body:
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                doc = ast.get_docstring(node)
+                src = ast.get_source_segment(text, node)
+                if doc and src and len(doc) >= 20:
+                    out.append(Function(f"{mod}.{node.name}", f"{node.name}({ast.unparse(node.args)})", doc, src))
+    return out
+
+
+class DocIndex:
+    """The search_docs tool over a local docstring corpus."""
+
+    def __init__(self, functions: list[Function], max_chars: int):
+        self.by_name = {f.name: f for f in functions}
+        self.max_chars = max_chars
+
+    def search(self, query: str) -> str:
+        q = query.strip()
+        hits = [self.by_name[q]] if q in self.by_name else [f for n, f in self.by_name.items()
+                                                             if n.rsplit(".", 1)[1] == q]
+        if not hits:
+            return f"No documentation found for {q!r}."
+        return "\n\n".join(f"{f.name}{f.signature[f.signature.index('('):]}\n{f.doc[: self.max_chars]}"
+                           for f in hits[:3])
+
+
+# ---------------------------------------------------------------- GSM8K
+_ANNOT = re.compile(r"<<([^<>=]*)=([^<>]*)>>")
+
+
+@dataclass(frozen=True)
+class Problem:
+    question: str
+    rationale: str     # human-written steps, annotations removed
+    answer: str        # the final number after ####
+    calls: tuple[tuple[str, str, str], ...]   # (text before the call on its line, expression, annotated result)
+
+
+def read_gsm8k(path: str | Path) -> list[Problem]:
+    out = []
+    for line in Path(expand_path(path)).read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line)
+        body, _, final = rec["answer"].rpartition("####")
+        calls = []
+        for ln in body.strip().splitlines():
+            for m in _ANNOT.finditer(ln):
+                calls.append((_ANNOT.sub("", ln[: m.start()]).strip(), m.group(1).strip(), m.group(2).strip()))
+        out.append(Problem(rec["question"].strip(), _ANNOT.sub("", body).strip(), final.strip().replace(",", ""),
+                           tuple(calls)))
+    return out
+
+
+def gsm8k_splits(cfg: SFTDataConfig) -> tuple[list[Problem], list[Problem]]:
+    """(train, held out): the first eval_lines lines are held out."""
+    probs = read_gsm8k(cfg.gsm8k_path)
+    if len(probs) <= cfg.eval_lines:
+        raise ValueError(f"{cfg.gsm8k_path}: {len(probs)} problems, need more than eval_lines={cfg.eval_lines}")
+    return probs[cfg.eval_lines:], probs[: cfg.eval_lines]
+
+
+def extract_answer(text: str) -> str | None:
+    """The final number of a reply: after '####' when present, else the last number."""
+    tail = text.rpartition("####")[2] if "####" in text else text
+    nums = re.findall(r"-?\d[\d,]*\.?\d*", tail)
+    if not nums:
+        return None
+    n = nums[-1].replace(",", "").rstrip(".")
+    try:
+        return format_number(float(n))
+    except ValueError:
+        return None
+
+
+# ---------------------------------------------------------------- conversations
+def _mode(i: int) -> tuple[str, bool]:
+    """Sample i's thinking mode and whether thinking is on (off for every other turn-mode one)."""
+    mode = THINKING_MODES[i % 3]
+    return mode, not (mode == "turn" and (i // 3) % 2 == 1)
+
+
+def _qa(p: Problem, thinking: bool) -> list[Message]:
+    if thinking:
+        return [Message("user", p.question), Message("assistant", f"The answer is {p.answer}.", reasoning=p.rationale)]
+    return [Message("user", p.question, thinking=False), Message("assistant", f"{p.rationale}\n#### {p.answer}")]
+
+
+def reasoning_sample(i: int, probs: list[Problem]) -> Sample:
+    mode, thinking = _mode(i)
+    msgs = _qa(probs[0], thinking)
+    if len(probs) > 1:            # a second turn: history reasoning is where the modes differ
+        msgs += _qa(probs[1], thinking)
+    # Interleaved / turn modes show earlier turns without their reasoning, a context the model
+    # never answered from: only the last turn is trained (chat_template.encode's advice).
+    return Sample("reasoning", tuple(msgs), None, mode, train_history=(mode == "preserved" or len(probs) == 1))
+
+
+def calc_sample(i: int, p: Problem, max_calls: int) -> Sample | None:
+    """The problem solved through calculator calls, or None when a call cannot be reproduced."""
+    if not p.calls or len(p.calls) > max_calls:
+        return None
+    mode, thinking = _mode(i)
+    msgs = [Message("user", p.question, thinking=thinking)]
+    for before, expr, annotated in p.calls:
+        try:
+            result = calculator(expr)
+            if abs(float(result) - float(annotated.replace(",", ""))) > 1e-6 * max(1.0, abs(float(result))):
+                return None       # GSM8K's annotation disagrees with the real result
+        except ValueError:
+            return None
+        reasoning = (before or f"I need {expr}.") if thinking else ""
+        msgs += [Message("assistant", reasoning=reasoning, tool_calls=(ToolCall("calculator", {"expression": expr}),)),
+                 Message("tool", result)]
+    final = "The answer is " + p.answer + "."
+    msgs.append(Message("assistant", final, reasoning=p.rationale if thinking else ""))
+    return Sample("tool_calc", tuple(msgs), (CALCULATOR,), mode)
+
+
+def docs_sample(i: int, f: Function, index: DocIndex) -> Sample:
+    mode, thinking = _mode(i)
+    doc = index.search(f.name)
+    summary = f.doc.split("\n\n")[0]
+    msgs = [Message("user", f"What does `{f.name}` from the Python standard library do?", thinking=thinking),
+            Message("assistant", reasoning=f"I should look up the documentation of {f.name}." if thinking else "",
+                    tool_calls=(ToolCall("search_docs", {"query": f.name}),)),
+            Message("tool", doc),
+            Message("assistant", f"`{f.name}{f.signature[f.signature.index('('):]}`: {summary}",
+                    reasoning="The documentation answers it; I summarise its first paragraph." if thinking else "")]
+    return Sample("tool_docs", tuple(msgs), (SEARCH_DOCS,), mode)
+
+
+def code_sample(i: int, f: Function) -> Sample:
+    mode, thinking = _mode(i)
+    module = f.name.rsplit(".", 1)[0]
+    ask = f"Write the Python function `{f.signature}` of the `{module}` module. Its docstring:\n\n{f.doc}"
+    reasoning = (f"I need to implement {f.signature} so that it does what the docstring says: "
+                 f"{f.doc.splitlines()[0]}") if thinking else ""
+    return Sample("code", (Message("user", ask, thinking=thinking),
+                           Message("assistant", f"```python\n{f.source}\n```", reasoning=reasoning)), None, mode)
+
+
+def _valid(make, *args) -> Sample | None:
+    """Build a sample; text the template refuses (a special-token string inside) is skipped."""
+    try:
+        return make(*args)
+    except ValueError:
+        return None
+
+
+def _take(candidates, n: int) -> list[Sample]:
+    out = []
+    for s in candidates:
+        if len(out) == n:
+            break
+        if s is not None:
+            out.append(s)
+    return out
+
+
+def build_samples(cfg: SFTDataConfig) -> dict[str, list[Sample]]:
+    """{"train": [...], "val": [...]} conversations of every kind (counts from cfg)."""
+    train_p, eval_p = gsm8k_splits(cfg)
+    funcs = stdlib_functions()
+    if not funcs:
+        raise ValueError(f"no documented functions found under {STDLIB}")
+    held = [f for f in funcs if zlib.crc32(f.name.encode()) % 1000 < cfg.val_fraction * 1000]
+    kept = [f for f in funcs if f not in held]
+    index = DocIndex(funcs, cfg.max_doc_chars)     # the tool sees the whole corpus
+    rng = random.Random(cfg.seed)
+
+    def for_split(probs: list[Problem], fs: list[Function], counts: dict[str, int]) -> list[Sample]:
+        def pairs():
+            i = k = 0
+            while k < len(probs):
+                # every third group of three is two-turn: one in each thinking mode
+                take = 2 if (i // 3) % 3 == 2 and k + 1 < len(probs) else 1
+                yield _valid(reasoning_sample, i, probs[k:k + take])
+                i, k = i + 1, k + take
+        short = [f for f in fs if len(f.source) <= cfg.max_code_chars]
+        return (_take(pairs(), counts["reasoning"])
+                + _take((_valid(calc_sample, i, p, cfg.max_calls) for i, p in enumerate(probs)), counts["tool_calc"])
+                + _take((_valid(docs_sample, i, f, index) for i, f in enumerate(fs)), counts["tool_docs"])
+                + _take((_valid(code_sample, i, f) for i, f in enumerate(short)), counts["code"]))
+
+    train = for_split(train_p, kept, {k: getattr(cfg, k) for k in KINDS})
+    val = for_split(eval_p, held, {k: cfg.val_per_kind for k in KINDS})
+    rng.shuffle(train)
+    return {"train": train, "val": val}
+
+
+def build_sft_data(cfg: SFTDataConfig, tokenizer, out: Path, seq_len: int) -> dict[str, Any]:
+    """Build, encode and pack the conversations under `out` (a PackedDataset directory with a
+    loss mask). Samples longer than seq_len are dropped and counted. Returns statistics."""
+    samples = build_samples(cfg)
+    splits, stats = {}, {"dropped_too_long": 0}
+    for split, items in samples.items():
+        encoded = []
+        for s in items:
+            enc = s.encode(tokenizer)
+            if len(enc.ids) > seq_len:
+                stats["dropped_too_long"] += 1
+                continue
+            encoded.append((enc.ids, enc.loss_mask))
+            key = f"{split}/{s.kind}/{s.thinking_mode}"
+            stats[key] = stats.get(key, 0) + 1
+        if not encoded:
+            raise ValueError(f"sft: no {split} sample fits in seq_len={seq_len}")
+        splits[split] = encoded
+    meta = pack_samples(splits, out, seq_len, tokenizer.token_to_id(PAD), tokenizer.token_to_id(EOS),
+                        extra_meta={"sft": stats, "seed": cfg.seed})
+    return {"samples": stats, "train_sequences": meta["splits"]["train"]["sequences"],
+            "val_sequences": meta["splits"]["val"]["sequences"],
+            "train_target_tokens": meta["splits"]["train"]["target_tokens"]}
