@@ -51,7 +51,9 @@ def indexer_scores_reference(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
         C = t1 - t0
         logits = torch.bmm(qf[:, t0:t1].reshape(B, C * H, D), kT).relu_()  # (B, C*H, S)
         wb = wf[:, t0:t1].reshape(B * C, 1, H)
-        if B == 1:                                              # write in place
+        if B == 1 and not (wb.requires_grad or logits.requires_grad):  # write in place
+            # (out= has no autograd: indexer training, which needs the gradient, takes the
+            # path below at batch 1 too)
             torch.bmm(wb, logits.view(C, H, S), out=scores[0, t0:t1].view(C, 1, S))
         else:
             scores[:, t0:t1] = torch.bmm(wb, logits.view(B * C, H, S)).view(B, C, S)

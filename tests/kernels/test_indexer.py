@@ -97,3 +97,22 @@ def test_scores_blocking_does_not_change_results(block):
     torch.testing.assert_close(indexer_scores_reference(q, k, w, 3, block=block),
                                _naive(q.double(), k.double(), w.double(), 3).float(),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_reference_scores_are_differentiable(B):
+    """model/indexer.py trains through indexer_scores_reference: gradients must flow."""
+    q, k, w = (x.double().requires_grad_() for x in _inputs(B=B, T=6, S=9, seed=7))
+    got = indexer_scores_reference(q, k, w, 2, block=4)
+    logits = torch.einsum("bthd,bsd->bths", q, k).relu()
+    want = (w[..., None] * logits).sum(2)
+    future = torch.arange(9)[None, :] > torch.arange(6)[:, None] + 2
+    want = want.masked_fill(future, float("-inf"))
+    assert torch.equal(got.isinf(), want.isinf())
+    g = torch.randn(B, 6, 9, dtype=torch.float64).masked_fill(future, 0.0)
+    fin = ~future
+    torch.testing.assert_close(got[:, fin], want[:, fin].float(), rtol=1e-5, atol=1e-5)
+    grads = torch.autograd.grad((got.double().masked_fill(future, 0) * g).sum(), (q, k, w))
+    wants = torch.autograd.grad((want.masked_fill(future, 0) * g).sum(), (q, k, w))
+    for a, b in zip(grads, wants):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
