@@ -8,6 +8,10 @@ has at least mix.long_chars characters. Under mix.max_chars the heaviest documen
 data_processing.packing.pack then repeats each document min(weight, mix.max_repeats) times,
 shuffles and packs seq_len windows (with a held-out split, never up-sampled).
 
+`extra` documents (e.g. evals.long_context.training_documents: synthetic retrieval prompts for
+the DSA stages) join the mix after the max_chars cap, once each, whatever the weights: they are
+what the caller asked for, not a sample of the corpus.
+
 The packed data lives in the stage's checkpoint directory with a PACKED marker written last,
 so a retried stage reuses it instead of packing again.
 """
@@ -17,7 +21,7 @@ import json
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from data_processing.common import iter_input_documents
 from data_processing.document import Document
@@ -35,7 +39,7 @@ def mix_weight(doc: Document, mix: MixConfig) -> float:
 
 
 def pack_long(docs_dir: Path, tokenizer_dir: Path, out: Path, seq_len: int, mix: MixConfig,
-              val_fraction: float, seed: int) -> dict[str, Any]:
+              val_fraction: float, seed: int, extra: Sequence[Document] = ()) -> dict[str, Any]:
     """Pack (once) into `out`; returns the packing meta plus the mix statistics."""
     out = Path(out)
     if (out / MARKER).exists():
@@ -65,6 +69,9 @@ def pack_long(docs_dir: Path, tokenizer_dir: Path, out: Path, seq_len: int, mix:
         repeats = min(w, mix.max_repeats)
         kept.append(Document(d.id, d.text, d.source, {**d.metadata, "quality": {"weight": repeats}}))
         by_source[d.source] = by_source.get(d.source, 0.0) + repeats * len(d.text)
+    for d in extra:
+        kept.append(Document(d.id, d.text, d.source, {**d.metadata, "quality": {"weight": 1.0}}))
+        by_source[d.source] = by_source.get(d.source, 0.0) + len(d.text)
     if len(kept) < 2:
         raise ValueError(f"the long-context mix keeps {len(kept)} document(s) of {len(docs)}: "
                          "lower mix.min_chars or raise the source weights")
@@ -76,5 +83,6 @@ def pack_long(docs_dir: Path, tokenizer_dir: Path, out: Path, seq_len: int, mix:
         raise ValueError("the long-context mix has no held-out sequences: raise val_fraction")
     meta["mix_chars_share"] = {s: round(v / total, 4) for s, v in sorted(by_source.items())}
     meta["documents_in_mix"] = len(kept)
+    meta["extra_documents"] = len(extra)
     (out / MARKER).write_text(json.dumps(meta))
     return meta

@@ -1,0 +1,397 @@
+"""DSA continue-pretraining: the two stages that turn the dense MLA model into a sparse one,
+and the long-context comparison that says whether it worked.
+
+    context-3, decontaminate, tokenize ---> dsa-warmup   indexer only, dense attention
+    dsa-warmup, decontaminate, tokenize --> dsa-adapt    whole model, top-k attention
+                                                         + full and SWA baselines, RULER-like eval
+
+dsa-warmup: every weight but the lightning indexers is frozen (and the MoE router bias, a
+buffer, is not updated: no loads are counted), attention stays dense, and the indexer learns
+KL(p || softmax(I)) against the dense attention distribution (training.dsa_loss). Reported: the
+per-step KL and top-k recall (attention mass inside the indexer's top-k set), and the same on
+held-out sequences before and after.
+
+dsa-adapt: top-k selection by the indexer (deterministic top-k), main attention on the selected
+keys only. The indexer learns the KL restricted to the selected set from detached inputs, the
+trunk the LM (+MTP) loss; the two touch disjoint parameters, so one backward of their sum
+trains each on its own loss. The same stage trains, from the same weights, on the same packed
+data and token budget, the baselines of the paper's ablation:
+    full  the same architecture with dense attention (indexer off): continued dense training;
+    swa   sliding-window layers interleaved with full ones (evals.long_context.baseline_configs).
+One stage owns the whole comparison so the table is cached, resumed and invalidated as one
+thing: the three runs share the packed data, and changing the data or budget reruns all three.
+Each run is a train_stage of its own (own checkpoints, resumable). The DSA model is the stage's
+artifact; the baselines are published under out/full and out/swa.
+
+The data of both stages: the long-context mix (training.longdata.pack_long) plus retrieval
+documents in the evaluation's formats (evals.long_context.training_documents: training keys
+only, a different seed), so a small model can learn retrieval at all.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from data_processing.packing import PackedDataset
+from data_processing.tokenizer import load_tokenizer
+from evals import long_context
+from glmforge.stage import StageSpec, Workdir
+from model.config import ModelConfig
+from model.hf import load_state, save_state
+from model.model import GLMModel, freeze_all_but_indexer, moe_layers
+from training.config import MixConfig, Optimizer, TrainConfig
+from training.data import IGNORE, eval_batches
+from training.dsa_loss import forward_kwargs, sparse_indexer_loss, warmup_indexer_loss
+from training.longdata import pack_long
+from training.objectives import Objective, register
+from training.stages import _state_config, train_stage
+
+log = logging.getLogger("glmforge")
+MODULE = __name__          # the ranks import it to find the objectives registered here
+PROBE_FILE = "indexer_probe.json"
+
+
+# ---------------------------------------------------------------- config
+class RetrievalDocsConfig(BaseModel):
+    """Synthetic retrieval documents mixed into the training data (training keys only)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    lengths: tuple[int, ...] = (256, 512)
+    docs_per_task: int = Field(50, ge=0, description="per length and task; 0 = none")
+    tasks: tuple[str, ...] = long_context.TASKS
+    seed: int = Field(1, description="the evaluation suite uses long_eval.seed; keys never overlap")
+
+    @model_validator(mode="after")
+    def _check(self) -> "RetrievalDocsConfig":
+        bad = [t for t in self.tasks if t not in long_context.TASKS]
+        if bad or not self.tasks:
+            raise ValueError(f"retrieval.tasks: unknown {bad or 'empty'}; choose from {long_context.TASKS}")
+        if not self.lengths or min(self.lengths) <= 0:
+            raise ValueError(f"retrieval.lengths must be positive token counts, got {self.lengths}")
+        return self
+
+
+class LongEvalConfig(BaseModel):
+    """The RULER-like suite every model of dsa-adapt is scored on (one suite for all)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    lengths: tuple[int, ...] = (256, 512, 1024)
+    n_per_task: int = Field(10, ge=1)
+    tasks: tuple[str, ...] = long_context.TASKS
+    seed: int = 0
+    swa_fraction: float = Field(0.25, gt=0, lt=1, description="SWA window = this x the shortest length")
+
+    @model_validator(mode="after")
+    def _check(self) -> "LongEvalConfig":
+        bad = [t for t in self.tasks if t not in long_context.TASKS]
+        if bad or not self.tasks:
+            raise ValueError(f"long_eval.tasks: unknown {bad or 'empty'}; choose from {long_context.TASKS}")
+        if not self.lengths or min(self.lengths) <= 0:
+            raise ValueError(f"long_eval.lengths must be positive token counts, got {self.lengths}")
+        return self
+
+
+class DsaDataConfig(TrainConfig):
+    """What both DSA stages share: the packed long-context mix plus retrieval documents."""
+
+    seq_len: int = Field(1024, ge=16)
+    mix: MixConfig = MixConfig()
+    val_fraction: float = Field(0.05, gt=0, lt=1)
+    retrieval: RetrievalDocsConfig = RetrievalDocsConfig()
+
+    @model_validator(mode="after")
+    def _check_retrieval(self) -> "DsaDataConfig":
+        # A retrieval document is its prompt (at most `length` tokens) + answer + end-of-text:
+        # it must fit in one packed sequence, or no copy of it would ever be seen whole.
+        if self.retrieval.docs_per_task and max(self.retrieval.lengths) >= self.seq_len:
+            raise ValueError(f"retrieval.lengths {self.retrieval.lengths} must stay below seq_len "
+                             f"{self.seq_len} (the document adds its answer and <|endoftext|>)")
+        return self
+
+
+class DsaWarmupConfig(DsaDataConfig):
+    """Stage 1 (GLM-5 / DeepSeek-V3.2: lr 1e-3, dense attention, indexer only)."""
+
+    lr: float = Field(1e-3, gt=0)
+    optimizer: Optimizer = "adamw"
+    probe_sequences: int = Field(8, ge=1, description="held-out sequences for KL/recall before and after")
+
+
+class DsaAdaptConfig(DsaDataConfig):
+    """Stage 2 (sparse adaptation) and the comparison."""
+
+    indexer_loss_coeff: float = Field(1.0, gt=0, description="weight of the indexer's KL in the summed loss")
+    baselines: tuple[str, ...] = Field(("full", "swa"), description="comparison models trained with "
+                                       "the same data and budget; subset of full, swa")
+    long_eval: LongEvalConfig = LongEvalConfig()
+
+    @model_validator(mode="after")
+    def _check_baselines(self) -> "DsaAdaptConfig":
+        bad = [b for b in self.baselines if b not in ("full", "swa")]
+        if bad or len(set(self.baselines)) != len(self.baselines):
+            raise ValueError(f"baselines must be distinct entries of ('full', 'swa'), got {self.baselines}")
+        return self
+
+
+# ---------------------------------------------------------------- objectives (run on the ranks)
+def _require_dsa(model: GLMModel) -> None:
+    if "dsa" not in model.config.layer_kinds:
+        raise ValueError("the model has no DSA layers (attention_pattern has no 'dsa' entry): "
+                         "nothing for the indexer objectives to train")
+
+
+def _query_rows(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    # Rows with a next-token target: drops padding (and each sequence's last position).
+    return batch["labels"] != IGNORE
+
+
+@register("dsa_warmup")
+class IndexerWarmup(Objective):
+    """KL(p || softmax(I)) on a dense forward; only the indexers train."""
+
+    def prepare(self, model: GLMModel) -> None:
+        _require_dsa(model)
+        freeze_all_but_indexer(model)
+
+    def loss(self, engine, batch):
+        out = engine(batch["input_ids"], doc_ids=batch["doc_ids"], **forward_kwargs("warmup"))
+        # The router bias is a buffer the loop updates from the loads counted in forward; the
+        # trunk is frozen in this stage, so no load may be counted (the update then skips it).
+        for m in moe_layers(engine.module):
+            m.load_since_update.zero_()
+        loss, m = warmup_indexer_loss(out, _query_rows(batch))
+        # recall_sparse_rows is NaN when no row sees more than index_topk keys; every row then
+        # selects all its keys, recall 1, and a NaN would poison the sum over ranks.
+        sparse = m["recall_sparse_rows"]
+        return loss, {"loss": m["kl"], "lm": 0.0, "mtp": 0.0, "balance": 0.0, "kl": m["kl"],
+                      "recall": m["recall"], "recall_sparse_rows": 1.0 if math.isnan(sparse) else sparse}
+
+
+@register("dsa_sparse")
+class SparseAdaptation(Objective):
+    """Top-k attention; LM (+MTP, balance) for the trunk + coeff x KL on the selected set for
+    the indexer (its inputs are detached by the model, the indices are integers)."""
+
+    def __init__(self, indexer_loss_coeff: float = 1.0):
+        if indexer_loss_coeff <= 0:
+            raise ValueError(f"indexer_loss_coeff must be > 0, got {indexer_loss_coeff}")
+        self.coeff = indexer_loss_coeff
+
+    def prepare(self, model: GLMModel) -> None:
+        _require_dsa(model)
+        if model.config.dense_attention:
+            raise ValueError("sparse adaptation needs dense_attention=False (top-k attention)")
+
+    def loss(self, engine, batch):
+        out = engine(batch["input_ids"], labels=batch["labels"], doc_ids=batch["doc_ids"],
+                     **forward_kwargs("sparse"))
+        kl, m = sparse_indexer_loss(out, _query_rows(batch))
+        # "loss" stays lm + mtp + balance, as for every stage (and the baselines it is compared
+        # with): the KL trains other parameters and is reported on its own.
+        return out.loss + self.coeff * kl, {
+            "loss": out.loss.item(), "lm": out.losses["lm"].item(),
+            "mtp": float(out.losses["mtp"].item()) if "mtp" in out.losses else 0.0,
+            "balance": out.losses["balance"].item(), "kl": m["kl"]}
+
+
+# ---------------------------------------------------------------- helpers (stage process)
+def _filler_texts() -> list[str]:
+    if not long_context.DEFAULT_FILLER.exists():
+        raise ValueError(f"haystack corpus {long_context.DEFAULT_FILLER} is missing")
+    return [long_context.DEFAULT_FILLER.read_text()]
+
+
+def pack_dsa_data(cfg: DsaDataConfig, inputs: dict[str, Path], workdir: Workdir) -> tuple[Path, dict]:
+    """The long-context mix + retrieval documents, packed once into workdir.checkpoint/packed."""
+    data_dir = workdir.checkpoint / "packed"
+    r = cfg.retrieval
+    extra = []
+    if r.docs_per_task:
+        tok = load_tokenizer(Path(inputs["tokenize"]))
+        extra = long_context.training_documents(tok, r.lengths, r.docs_per_task, r.seed, _filler_texts(), r.tasks)
+    meta = pack_long(inputs["decontaminate"], inputs["tokenize"], data_dir, cfg.seq_len, cfg.mix,
+                     cfg.val_fraction, workdir.seed + cfg.seed_offset, extra=extra)
+    workdir.persist_checkpoint()
+    return data_dir, meta
+
+
+def _sub(workdir: Workdir, out: Path, checkpoint: Path) -> Workdir:
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint.mkdir(parents=True, exist_ok=True)
+    return Workdir(out=out, checkpoint=checkpoint, progress=workdir.progress,
+                   persist_checkpoint=workdir.persist_checkpoint, seed=workdir.seed)
+
+
+def _base_weights(parent: Path) -> tuple[Path, ModelConfig]:
+    init = Path(parent) / "consolidated.safetensors"
+    if not init.exists():
+        raise ValueError(f"{parent} has no consolidated.safetensors to continue from")
+    return init, _state_config(init)
+
+
+@torch.no_grad()
+def indexer_probe(model: GLMModel, data_dir: Path, sequences: int) -> dict[str, float]:
+    """Held-out KL(p || softmax(I)) and top-k recall of a model's indexers (dense forward)."""
+    model.eval()
+    ds = PackedDataset(data_dir, "val")
+    sums: dict[str, float] = {}
+    n = 0
+    for b in eval_batches(ds, 1, sequences):
+        out = model(b["input_ids"], doc_ids=b["doc_ids"], **forward_kwargs("warmup"))
+        _, m = warmup_indexer_loss(out, _query_rows(b))
+        for k in ("kl", "recall", "recall_sparse_rows"):
+            if not math.isnan(m[k]):
+                sums[k] = sums.get(k, 0.0) + m[k]
+                sums[f"n_{k}"] = sums.get(f"n_{k}", 0.0) + 1
+        n += 1
+    assert n > 0, "held-out split is empty"
+    return {k: sums[k] / sums[f"n_{k}"] for k in ("kl", "recall", "recall_sparse_rows") if f"n_{k}" in sums}
+
+
+def _model(path: Path, cfg: ModelConfig | None = None) -> GLMModel:
+    model = load_state(path)
+    if cfg is not None and cfg != model.config:
+        state = model.state_dict()
+        model = GLMModel(cfg)
+        model.load_state_dict(state, strict=True)
+    return model
+
+
+def without_indexers(init: Path, cfg: ModelConfig, out: Path) -> Path:
+    """The init weights for a variant with fewer DSA layers (SWA): the dropped layers' indexer
+    weights are the only keys allowed to go; anything else missing or extra is an error."""
+    if out.exists():
+        return out
+    state = load_state(init).state_dict()
+    model = GLMModel(cfg)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or any(".indexer." not in k for k in unexpected):
+        raise ValueError(f"{cfg.layer_kinds} does not fit the weights in {init}: missing {missing}, "
+                         f"unexpected {[k for k in unexpected if '.indexer.' not in k]}")
+    tmp = out.with_suffix(".tmp")
+    save_state(model, tmp)
+    tmp.replace(out)
+    return out
+
+
+def long_context_table(models: dict[str, Path], tokenizer_dir: Path, cfg: LongEvalConfig
+                       ) -> tuple[dict[str, dict[int, float]], dict[str, dict]]:
+    """Every model on ONE generated suite -> ({method: {length: overall acc}}, per-task detail)."""
+    from tokenizers import Tokenizer
+
+    from data_processing.tokenizer import TOKENIZER_FILE
+
+    tok = Tokenizer.from_file(str(Path(tokenizer_dir) / TOKENIZER_FILE))
+    examples = long_context.generate_suite(tok, cfg.lengths, cfg.n_per_task, cfg.seed, _filler_texts(), cfg.tasks)
+    table, detail = {}, {}
+    for name, path in models.items():
+        model = load_state(path).eval()
+        too_long = [n for n in cfg.lengths if n > model.config.max_position_embeddings]
+        if too_long:
+            raise ValueError(f"long_eval.lengths {too_long} exceed max_position_embeddings="
+                             f"{model.config.max_position_embeddings}")
+        acc = long_context.evaluate(model, tok, examples)
+        table[name] = {int(n): acc["overall"][n] for n in cfg.lengths}
+        detail[name] = {task: {int(n): a for n, a in by_len.items()} for task, by_len in acc.items()}
+        log.info("dsa-adapt: long-context accuracy %s %s", name, table[name])
+    return table, detail
+
+
+def _first_last(records_path: Path, keys: tuple[str, ...]) -> dict[str, float]:
+    from training import metrics
+
+    records = metrics.read(records_path)
+    out = {}
+    for k in keys:
+        if records and k in records[0]:
+            out[f"{k}_first"] = records[0][k]
+    return out
+
+
+# ---------------------------------------------------------------- stage functions
+def run_warmup(cfg: DsaWarmupConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
+    init, base = _base_weights(inputs["context-3"])
+    if "dsa" not in base.layer_kinds:
+        raise ValueError("context-3's model has no DSA layers: there is no indexer to warm up")
+    # Dense attention (the held-out LM loss is then that of the frozen dense model, before and
+    # after); deterministic top-k so the recall measured here is the selection used later.
+    model_cfg = base.replace(dense_attention=True, index_topk_method="deterministic",
+                             max_position_embeddings=max(base.max_position_embeddings, cfg.seq_len))
+    data_dir, packed = pack_dsa_data(cfg, inputs, workdir)
+    result = train_stage("dsa-warmup", cfg, model_cfg, data_dir, inputs["tokenize"], workdir, init,
+                         objective={"name": "dsa_warmup", "module": MODULE})
+    probe = {"before": indexer_probe(_model(init, model_cfg), data_dir, cfg.probe_sequences),
+             "after": indexer_probe(load_state(workdir.out / "consolidated.safetensors"), data_dir,
+                                    cfg.probe_sequences)}
+    (workdir.out / PROBE_FILE).write_text(json.dumps(probe, indent=1))
+    log.info("dsa-warmup: held-out KL %.4f -> %.4f, top-k recall %.4f -> %.4f", probe["before"]["kl"],
+             probe["after"]["kl"], probe["before"]["recall"], probe["after"]["recall"])
+    return {**result, **_first_last(workdir.checkpoint / "metrics.jsonl", ("kl", "recall", "recall_sparse_rows")),
+            "heldout_kl_before": probe["before"]["kl"], "heldout_kl_after": probe["after"]["kl"],
+            "heldout_recall_before": probe["before"]["recall"], "heldout_recall_after": probe["after"]["recall"],
+            "heldout_recall_sparse_rows_before": probe["before"].get("recall_sparse_rows"),
+            "heldout_recall_sparse_rows_after": probe["after"].get("recall_sparse_rows"),
+            "index_topk": model_cfg.index_topk, "seq_len": result["seq_len"],
+            "mix_chars_share": packed["mix_chars_share"], "retrieval_documents": packed["extra_documents"],
+            "train_sequences": packed["splits"]["train"]["sequences"]}
+
+
+def run_adapt(cfg: DsaAdaptConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
+    init, base = _base_weights(inputs["dsa-warmup"])
+    base = base.replace(max_position_embeddings=max(base.max_position_embeddings, cfg.seq_len,
+                                                    max(cfg.long_eval.lengths)))
+    variants = long_context.baseline_configs(base, cfg.long_eval.lengths, cfg.long_eval.swa_fraction)
+    configs = {
+        "dsa": base.replace(dense_attention=False, index_topk_method="deterministic"),
+        # the DSA architecture with the indexer off: dense MLA, and the same checkpoint format
+        # as the other two (baseline_configs' "full" has no indexers and no HF export)
+        "full": base.replace(dense_attention=True),
+        "swa": variants["swa"],
+    }
+    data_dir, packed = pack_dsa_data(cfg, inputs, workdir)
+    runs: dict[str, dict] = {}
+    weights: dict[str, Path] = {}
+    for name in ("dsa", *cfg.baselines):
+        # Every run: the same weights, data (same order: same seed) and TrainConfig, so the
+        # same token budget; only the attention and the objective differ.
+        out = workdir.out if name == "dsa" else workdir.out / name
+        wd = _sub(workdir, out, workdir.checkpoint / name)
+        start = init
+        if name == "swa":
+            start = without_indexers(init, configs["swa"], workdir.checkpoint / "swa-init.safetensors")
+        objective = ({"name": "dsa_sparse", "module": MODULE, "indexer_loss_coeff": cfg.indexer_loss_coeff}
+                     if name == "dsa" else {"name": "lm"})
+        runs[name] = train_stage(f"dsa-adapt/{name}", cfg, configs[name], data_dir, inputs["tokenize"], wd, start,
+                                 objective=objective)
+        weights[name] = out / "consolidated.safetensors"
+
+    table, detail = long_context_table(weights, inputs["tokenize"], cfg.long_eval)
+    (workdir.out / "long_context.json").write_text(json.dumps({"accuracy": table, "by_task": detail}, indent=1))
+    probe_path = Path(inputs["dsa-warmup"]) / PROBE_FILE
+    probe = json.loads(probe_path.read_text()) if probe_path.exists() else {}
+    keep = ("steps", "tokens", "loss_first", "loss_last", "lm_loss_last", "val_loss_before", "val_loss_after")
+    return {**runs["dsa"], **_first_last(workdir.checkpoint / "dsa" / "metrics.jsonl", ("kl",)),
+            "long_context_accuracy": table, "long_context_by_task": detail,
+            "long_context_lengths": list(cfg.long_eval.lengths),
+            "baselines": {name: {k: runs[name].get(k) for k in keep} for name in cfg.baselines},
+            "swa_window": configs["swa"].sliding_window, "index_topk": base.index_topk,
+            "warmup_recall_before": probe.get("before", {}).get("recall"),
+            "warmup_recall_after": probe.get("after", {}).get("recall"),
+            "warmup_recall_sparse_rows_after": probe.get("after", {}).get("recall_sparse_rows"),
+            "mix_chars_share": packed["mix_chars_share"], "retrieval_documents": packed["extra_documents"]}
+
+
+STAGES: list[StageSpec] = [
+    StageSpec("dsa-warmup", "dsa_warmup", DsaWarmupConfig, run_warmup,
+              parents=("context-3", "decontaminate", "tokenize")),
+    StageSpec("dsa-adapt", "dsa_adapt", DsaAdaptConfig, run_adapt,
+              parents=("dsa-warmup", "decontaminate", "tokenize")),
+]
