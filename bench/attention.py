@@ -33,8 +33,9 @@ high-water mark (getrusage ru_maxrss, which sees every torch allocation) minus i
 just before the measured pass, after the inputs exist: "extra memory the pass needs". Indices
 are int32 (indexer_topk(index_dtype=torch.int32)).
 
-Timings on a shared 2-core VM are noisy; dense and DSA for a length run back to back, and
---repeats N keeps the best of N passes (each in the same process).
+Timings on a shared machine are noisy; dense and DSA for a length run back to back, --rounds N
+alternates them N times (dense, DSA, dense, DSA, ... each in a fresh process) and keeps each
+one's fastest run, and --repeats N keeps the best of N passes within one process.
 
     python bench/attention.py                        # 2K .. 16K
     python bench/attention.py --lengths 1024 2048    # quick
@@ -156,6 +157,8 @@ def main() -> None:
     p.add_argument("--index-heads", type=int, default=8)
     p.add_argument("--index-dim", type=int, default=32)
     p.add_argument("--repeats", type=int, default=1, help="best of N passes per measurement")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="alternate dense / DSA subprocesses N times per length, keep each best")
     p.add_argument("--index-chunk", type=int, default=256, help="indexer queries per step")
     p.add_argument("--attn-chunk", type=int, default=None, help="sparse-attention queries per step")
     p.add_argument("--threads", type=int, default=1,
@@ -182,14 +185,18 @@ def main() -> None:
     else:
         shape = f"MHA {args.mha_heads} x {args.mha_dim} both"
     print(f"{shape}, indexer {args.index_heads} x {args.index_dim}, top-k {args.topk}, "
-          f"batch {args.batch}, {args.threads} threads, best of {args.repeats}; "
+          f"batch {args.batch}, {args.threads} threads, best of {args.repeats} x {args.rounds} "
+          "rounds; "
           "time = one forward + backward; memory = peak RSS above the inputs")
     header = (f"{'length':>7} {'dense s':>8} {'DSA s':>8} {'(index':>7} {'attn)':>7} "
               f"{'speedup':>8} {'dense MB':>9} {'DSA MB':>8} {'DSA/dense mem':>14}")
     print(header)
     for length in args.lengths:
-        dn = run_in_subprocess("dense", length, passthrough)
-        ds = run_in_subprocess("dsa", length, passthrough)
+        runs = {"dense": [], "dsa": []}
+        for _ in range(args.rounds):                           # interleaved: same conditions
+            for method in ("dense", "dsa"):
+                runs[method].append(run_in_subprocess(method, length, passthrough))
+        dn, ds = (min(runs[m], key=lambda r: r["seconds"]) for m in ("dense", "dsa"))
         print(f"{length:>7} {dn['seconds']:>8.2f} {ds['seconds']:>8.2f} {ds['indexer_s']:>7.2f} "
               f"{ds['sparse_attn_s']:>7.2f} {dn['seconds'] / ds['seconds']:>7.2f}x "
               f"{dn['peak_extra_mb']:>9.0f} {ds['peak_extra_mb']:>8.0f} "

@@ -11,8 +11,9 @@ ReLU makes whole plateaus of keys score exactly 0.0. This module pins the select
 Three implementations give bit-identical indices:
 - `topk_reference`: the definition, a stable sort over the whole row (O(S log S)).
 - `topk_torch`: the CPU path. torch.topk only finds the k-th largest *value* (ties cannot change
-  a value); positions above it are taken, tied positions in order of position (a cumulative
-  sum ranks them), and `nonzero` reads the taken positions out in ascending order.
+  a value); every position at or above it is taken and `nonzero` reads them out in ascending
+  order (one O(S) compare per row; bincount of the hits finds rows with more ties than room).
+  Only in those rows are tied positions ranked by position (a cumulative sum).
 - `topk_triton`: one program per row. A 32-step bisection over the order-preserving integer key
   of float32 finds the k-th largest value, then one pass writes the selected positions in
   ascending order.
@@ -68,23 +69,28 @@ def topk_torch(scores: torch.Tensor, k: int) -> torch.Tensor:
     if kk == 0:
         return scores.new_full((*lead, k), -1, dtype=torch.long)
     x = scores.reshape(-1, S).float()                          # (R, S); -0.0 == +0.0 here
+    R = x.shape[0]
     thr = torch.topk(x, kk, dim=-1, sorted=False).values.amin(-1, keepdim=True)  # k-th largest
-    above = x > thr
-    tied = (x == thr) & (x != float("-inf"))                   # -inf never counts
-    need = kk - above.count_nonzero(-1)[:, None]               # tied slots left to fill
-    take = above | tied
-    short = tied.count_nonzero(-1) > need.squeeze(-1)          # rows with more ties than room
-    if short.any():                                            # lower positions win the ties
-        t = tied[short]
-        take[short] = above[short] | (t & (torch.cumsum(t, dim=-1) <= need[short]))
-    # taken positions, row-major so ascending within each row; fewer than kk leaves -1s
-    row, pos = take.nonzero(as_tuple=True)
-    if pos.numel() == x.shape[0] * kk:                         # every row full: no -1 slots
-        out = pos.view(x.shape[0], kk)
-    else:
-        counts = take.count_nonzero(-1)
+    # everything at or above the threshold; -inf never counts (only matters when thr is -inf)
+    take = x >= thr
+    ninf = thr.squeeze(-1) == float("-inf")
+    if bool(ninf.any()):
+        take[ninf] &= x[ninf] != float("-inf")
+    row, pos = take.nonzero(as_tuple=True)                     # row-major: ascending per row
+    counts = torch.bincount(row, minlength=R)                  # O(selected), not O(R * S)
+    short = counts > kk                                        # rows with more ties than room
+    if bool(short.any()):                                      # lower positions win the ties
+        xs, ts = x[short], thr[short]
+        above, tied = xs > ts, xs == ts
+        need = kk - above.sum(-1, keepdim=True)
+        take[short] = above | (tied & (torch.cumsum(tied, dim=-1) <= need))
+        row, pos = take.nonzero(as_tuple=True)
+        counts = torch.bincount(row, minlength=R)
+    if pos.numel() == R * kk:                                  # every row full: no -1 slots
+        out = pos.view(R, kk)
+    else:                                                      # fewer than kk leaves -1s
         slot = torch.arange(row.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[row]
-        out = torch.full((x.shape[0], kk), -1, dtype=torch.long, device=x.device)
+        out = torch.full((R, kk), -1, dtype=torch.long, device=x.device)
         out[row, slot] = pos
     return _pad(out.reshape(*lead, kk), k)
 
