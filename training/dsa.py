@@ -305,7 +305,8 @@ def long_context_table(models: dict[str, Path], tokenizer_dir: Path, cfg: LongEv
     return table, detail
 
 
-def _first_last(records_path: Path, keys: tuple[str, ...]) -> dict[str, float]:
+def _first_values(records_path: Path, keys: tuple[str, ...]) -> dict[str, float]:
+    """{key_first: value at step 1}: summarize() gives the *_last means, the curve's other end."""
     from training import metrics
 
     records = metrics.read(records_path)
@@ -334,12 +335,12 @@ def run_warmup(cfg: DsaWarmupConfig, inputs: dict[str, Path], workdir: Workdir) 
     (workdir.out / PROBE_FILE).write_text(json.dumps(probe, indent=1))
     log.info("dsa-warmup: held-out KL %.4f -> %.4f, top-k recall %.4f -> %.4f", probe["before"]["kl"],
              probe["after"]["kl"], probe["before"]["recall"], probe["after"]["recall"])
-    return {**result, **_first_last(workdir.checkpoint / "metrics.jsonl", ("kl", "recall", "recall_sparse_rows")),
+    return {**result, **_first_values(workdir.checkpoint / "metrics.jsonl", ("kl", "recall", "recall_sparse_rows")),
             "heldout_kl_before": probe["before"]["kl"], "heldout_kl_after": probe["after"]["kl"],
             "heldout_recall_before": probe["before"]["recall"], "heldout_recall_after": probe["after"]["recall"],
             "heldout_recall_sparse_rows_before": probe["before"].get("recall_sparse_rows"),
             "heldout_recall_sparse_rows_after": probe["after"].get("recall_sparse_rows"),
-            "index_topk": model_cfg.index_topk, "seq_len": result["seq_len"],
+            "index_topk": model_cfg.index_topk,
             "mix_chars_share": packed["mix_chars_share"], "retrieval_documents": packed["extra_documents"],
             "train_sequences": packed["splits"]["train"]["sequences"]}
 
@@ -378,7 +379,7 @@ def run_adapt(cfg: DsaAdaptConfig, inputs: dict[str, Path], workdir: Workdir) ->
     probe_path = Path(inputs["dsa-warmup"]) / PROBE_FILE
     probe = json.loads(probe_path.read_text()) if probe_path.exists() else {}
     keep = ("steps", "tokens", "loss_first", "loss_last", "lm_loss_last", "val_loss_before", "val_loss_after")
-    return {**runs["dsa"], **_first_last(workdir.checkpoint / "dsa" / "metrics.jsonl", ("kl",)),
+    return {**runs["dsa"], **_first_values(workdir.checkpoint / "dsa" / "metrics.jsonl", ("kl",)),
             "long_context_accuracy": table, "long_context_by_task": detail,
             "long_context_lengths": list(cfg.long_eval.lengths),
             "baselines": {name: {k: runs[name].get(k) for k in keep} for name in cfg.baselines},
