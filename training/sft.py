@@ -53,7 +53,8 @@ from model.hf import load_state
 from model.model import GLMModel
 from posttrain.chat_template import STOP_TOKENS, Message, encode, parse_assistant
 from posttrain.export_int4 import export_all
-from posttrain.qat import QATConfig, convert_int4, int4_bytes, load_int4_model, prepare_qat, save_int4
+from posttrain.qat import (QATConfig, convert_int4, int4_bytes, load_int4_model, prepare_qat, quantized_modules,
+                           save_int4)
 from training.config import TrainConfig
 from training.data import eval_batches
 from training.objectives import Objective, register
@@ -150,9 +151,22 @@ def recovery(ptq: float | None, qat: float | None, reference: float | None) -> f
     return (ptq - qat) / (ptq - reference)
 
 
-def evaluate_quantization(cfg: SFTConfig, qat_weights: Path, baseline_weights: Path | None, data_dir: Path,
+def evaluate_quantization(cfg: SFTConfig, qat_weights: Path | None, baseline_weights: Path | None, data_dir: Path,
                           tokenizer, int4_dir: Path, scratch: Path) -> dict[str, Any]:
-    """The quantization table (module doc, step 4) and the INT4 sizes."""
+    """The quantization table (module doc, step 4) and the INT4 sizes. Without QAT weights
+    (use_qat off) the run's own model is the baseline: full_no_qat and ptq_int4 only."""
+    if qat_weights is None:
+        if baseline_weights is None:
+            raise ValueError("evaluate_quantization needs QAT weights, baseline weights or both")
+        base = load_state(baseline_weights).eval()
+        save_int4(base, cfg.qat, int4_dir)
+        problems = gsm8k_splits(cfg.data)[1][: cfg.eval_gsm8k]
+        (ref, ex_ref), (ptq, ex_ptq) = (_score(m, cfg, data_dir, tokenizer, problems)
+                                        for m in (base, load_int4_model(int4_dir)))
+        return {"quantization": {"full_no_qat": ref, "ptq_int4": ptq},
+                "int4_bytes": int4_bytes(convert_int4(base, cfg.qat)), "qat_recovery_ppl": None,
+                "qat_recovery_ppl_own": None, "ptq_degradation_ppl": ptq["ppl"] - ref["ppl"],
+                "gsm8k_examples": {"full_no_qat": ex_ref, "ptq_int4": ex_ptq}}
     problems = gsm8k_splits(cfg.data)[1][: cfg.eval_gsm8k]
     torch.manual_seed(0)
     table: dict[str, Any] = {}
@@ -212,6 +226,8 @@ def run_sft(cfg: SFTConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[s
         raise ValueError("context-3's artifact has no consolidated.safetensors to fine-tune")
     base = _state_config(init)
     model_cfg = base.replace(max_position_embeddings=max(base.max_position_embeddings, cfg.seq_len))
+    with torch.device("meta"):      # shapes only: a group_size that does not divide fails now
+        quantized_modules(GLMModel(model_cfg), cfg.qat)
     tok_dir = Path(inputs["tokenize"])
     tokenizer = load_tokenizer(tok_dir)
     data_dir, data_stats = _data(cfg, tokenizer, workdir)
@@ -233,16 +249,21 @@ def run_sft(cfg: SFTConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[s
 
     out = workdir.out
     scratch = workdir.checkpoint / "ptq_int4"
-    quant = evaluate_quantization(cfg, out / "consolidated.safetensors", baseline, data_dir, tokenizer,
-                                  out / "int4", scratch)
+    if cfg.use_qat:
+        quant = evaluate_quantization(cfg, out / "consolidated.safetensors", baseline, data_dir, tokenizer,
+                                      out / "int4", scratch)
+    else:   # this run is the no-QAT model: its INT4 is PTQ
+        quant = evaluate_quantization(cfg, None, out / "consolidated.safetensors", data_dir, tokenizer,
+                                      out / "int4", scratch)
     shutil.rmtree(scratch, ignore_errors=True)
     b = quant["int4_bytes"]
     log.info("sft: INT4 %d quantized params: %.0f bytes int4 + %.0f bytes scales vs %.0f bytes fp16 (x%.3f)",
              b["quantized_params"], b["int4_bytes"], b["scale_bytes"], b["fp16_bytes"], b["ratio_with_scales"])
     for name, row in quant["quantization"].items():
         log.info("sft: %-11s held-out ppl %.3f  gsm8k acc %s (n=%d)", name, row["ppl"], row["gsm8k_acc"], row["gsm8k_n"])
-    log.info("sft: QAT recovers %s of the PTQ perplexity degradation (each model vs its own full "
-             "precision: %s)", quant["qat_recovery_ppl"], quant["qat_recovery_ppl_own"])
+    if cfg.use_qat:
+        log.info("sft: QAT recovers %s of the PTQ perplexity degradation (each model vs its own full "
+                 "precision: %s)", quant["qat_recovery_ppl"], quant["qat_recovery_ppl_own"])
 
     export_all(load_state(out / "consolidated.safetensors").eval(), cfg.qat, out / "export", tok_dir)
     evals = json.loads((out / "eval.json").read_text())

@@ -22,7 +22,7 @@ from tests.training.conftest import MODEL_OVERRIDES
 from training import checkpoint, metrics
 from training.data import IGNORE, collate, doc_ids_from_starts
 from training.objectives import build_objective
-from training.sft import MODELS, SFTConfig, objective_spec, run_sft
+from training.sft import MODELS, SFTConfig, evaluate_quantization, objective_spec, recovery, run_sft
 from training.sft_data import (CALCULATOR, SEARCH_DOCS, DocIndex, SFTDataConfig, build_samples, build_sft_data,
                                calculator, gsm8k_splits, stdlib_functions)
 
@@ -198,6 +198,26 @@ def test_objective_spec_names_its_module():
     assert spec["module"] == "training.sft" and spec["qat"]["group_size"] == 16
     with pytest.raises(ValueError, match="unknown training objective"):
         build_objective({"name": "nope"})
+
+
+def test_without_qat_the_run_is_the_ptq_baseline(sft_data, tokenizer, tmp_path):
+    data_dir, _ = sft_data
+    save_state(_model(), tmp_path / "w.safetensors")
+    got = evaluate_quantization(_config(), None, tmp_path / "w.safetensors", data_dir, tokenizer,
+                                tmp_path / "int4", tmp_path / "scratch")
+    assert set(got["quantization"]) == {"full_no_qat", "ptq_int4"} and got["qat_recovery_ppl"] is None
+    assert got["ptq_degradation_ppl"] == got["quantization"]["ptq_int4"]["ppl"] - got["quantization"]["full_no_qat"]["ppl"]
+    assert (tmp_path / "int4/model_int4.safetensors").is_file()
+    assert recovery(12.0, 10.0, 9.0) == pytest.approx(2 / 3) and recovery(9.0, 9.5, 9.0) is None
+
+
+def test_a_group_size_the_model_cannot_take_fails_before_training(packed, tmp_path):
+    parent = tmp_path / "context-3"
+    save_state(_model(), parent / "consolidated.safetensors")
+    with pytest.raises(ValueError, match="group_size=24 does not divide"):
+        run_sft(_config(qat=QATConfig(group_size=24)), {"context-3": parent, "tokenize": packed["tokenize"]},
+                Workdir.at(tmp_path / "w"))
+    assert not (tmp_path / "w/checkpoint/data").exists()
 
 
 def test_sft_stage_with_qat_checkpoints_resumes_and_reports_int4(packed, tmp_path, caplog):
