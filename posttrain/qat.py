@@ -235,7 +235,7 @@ def convert_int4(model: GLMModel, cfg: QATConfig) -> dict[str, torch.Tensor]:
 
 def int4_bytes(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
     """Bytes of the quantized tensors in `tensors` (convert_int4 output) against fp16/bf16.
-    int4_ratio is 0.25 by construction; scale_ratio adds the scales in their stored dtype."""
+    int4_ratio is 0.25 by construction; ratio_with_scales adds the scales in their stored dtype."""
     packed = {k[: -len(PACKED)]: v for k, v in tensors.items() if k.endswith(PACKED)}
     n_params = sum(2 * v.numel() for v in packed.values())
     int4 = sum(v.numel() * v.element_size() for v in packed.values())
