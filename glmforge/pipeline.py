@@ -15,9 +15,10 @@ def _curation() -> list[StageSpec]:
 
 
 def _training() -> list[StageSpec]:
+    from training.sft import STAGES as sft
     from training.stages import STAGES as training
 
-    return list(training)
+    return [*training, *sft]
 
 
 STAGES: list[StageSpec] = [INGEST, *_curation(), *_training()]

@@ -51,3 +51,15 @@ def test_missing_section_is_reported(tmp_path):
     path.write_text("run: {name: x}\n")
     with pytest.raises(ConfigError, match=r"field ingest: Field required"):
         load_config(config_file=path)
+
+
+def test_prefect_yaml_deploys_every_stage():
+    import yaml
+
+    from glmforge.pipeline import STAGE_NAMES
+
+    spec = yaml.safe_load((CONFIGS_DIR.parent / "prefect.yaml").read_text())
+    stages = [d["parameters"]["stage"] for d in spec["deployments"] if d["entrypoint"].endswith(":stage")]
+    assert stages == STAGE_NAMES
+    pipeline = [d for d in spec["deployments"] if d["entrypoint"].endswith(":pipeline")]
+    assert len(pipeline) == 1 and pipeline[0]["schedules"][0]["active"] is False
