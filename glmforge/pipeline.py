@@ -15,10 +15,11 @@ def _curation() -> list[StageSpec]:
 
 
 def _training() -> list[StageSpec]:
+    from training.dsa import STAGES as dsa
     from training.sft import STAGES as sft
     from training.stages import STAGES as training
 
-    return [*training, *sft]
+    return [*training, *dsa, *sft]
 
 
 STAGES: list[StageSpec] = [INGEST, *_curation(), *_training()]

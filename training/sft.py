@@ -1,7 +1,7 @@
 """The `sft` stage: supervised fine-tuning on chat, reasoning, tool-use and code conversations
 (training.sft_data), with INT4 quantization-aware training, then the INT4 evaluation and exports.
 
-    context-3 (weights), tokenize (tokenizer) --> sft
+    dsa-adapt (weights), tokenize (tokenizer) --> sft
 
 1. Data: training.sft_data builds the conversations, encodes them with the chat template (loss
    mask = the assistant's tokens) and packs whole samples with their masks under
@@ -221,9 +221,9 @@ def _data(cfg: SFTConfig, tokenizer, workdir: Workdir) -> tuple[Path, dict[str, 
 
 
 def run_sft(cfg: SFTConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
-    init = Path(inputs["context-3"]) / "consolidated.safetensors"
+    init = Path(inputs[BASE]) / "consolidated.safetensors"
     if not init.exists():
-        raise ValueError("context-3's artifact has no consolidated.safetensors to fine-tune")
+        raise ValueError(f"{BASE}'s artifact has no consolidated.safetensors to fine-tune")
     base = _state_config(init)
     model_cfg = base.replace(max_position_embeddings=max(base.max_position_embeddings, cfg.seq_len))
     with torch.device("meta"):      # shapes only: a group_size that does not divide fails now
@@ -271,5 +271,7 @@ def run_sft(cfg: SFTConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[s
     return {**result, **quant, "data": data_stats, "qat": cfg.use_qat, "qat_group_size": cfg.qat.group_size}
 
 
-STAGE = StageSpec("sft", "sft", SFTConfig, run_sft, parents=("context-3", "tokenize"))
+# GLM-5 post-trains the model that DSA continue-pretraining produced.
+BASE = "dsa-adapt"
+STAGE = StageSpec("sft", "sft", SFTConfig, run_sft, parents=(BASE, "tokenize"))
 STAGES: list[StageSpec] = [STAGE]

@@ -22,7 +22,7 @@ from tests.training.conftest import MODEL_OVERRIDES
 from training import checkpoint, metrics
 from training.data import IGNORE, collate, doc_ids_from_starts
 from training.objectives import build_objective
-from training.sft import MODELS, SFTConfig, evaluate_quantization, objective_spec, recovery, run_sft
+from training.sft import BASE, MODELS, SFTConfig, evaluate_quantization, objective_spec, recovery, run_sft
 from training.sft_data import (CALCULATOR, SEARCH_DOCS, DocIndex, SFTDataConfig, build_samples, build_sft_data,
                                calculator, gsm8k_splits, stdlib_functions)
 
@@ -212,18 +212,18 @@ def test_without_qat_the_run_is_the_ptq_baseline(sft_data, tokenizer, tmp_path):
 
 
 def test_a_group_size_the_model_cannot_take_fails_before_training(packed, tmp_path):
-    parent = tmp_path / "context-3"
+    parent = tmp_path / BASE
     save_state(_model(), parent / "consolidated.safetensors")
     with pytest.raises(ValueError, match="group_size=24 does not divide"):
-        run_sft(_config(qat=QATConfig(group_size=24)), {"context-3": parent, "tokenize": packed["tokenize"]},
+        run_sft(_config(qat=QATConfig(group_size=24)), {BASE: parent, "tokenize": packed["tokenize"]},
                 Workdir.at(tmp_path / "w"))
     assert not (tmp_path / "w/checkpoint/data").exists()
 
 
 def test_sft_stage_with_qat_checkpoints_resumes_and_reports_int4(packed, tmp_path, caplog):
-    parent = tmp_path / "context-3"
+    parent = tmp_path / BASE
     save_state(_model(), parent / "consolidated.safetensors")
-    inputs = {"context-3": parent, "tokenize": packed["tokenize"]}
+    inputs = {BASE: parent, "tokenize": packed["tokenize"]}
     wd = Workdir.at(tmp_path / "sft", seed=3)
     cfg = _config()
     with caplog.at_level(logging.INFO, logger="glmforge"):
