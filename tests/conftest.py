@@ -28,6 +28,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Tiny tensor ops on a shared 2-core machine: more threads only add contention (up to 10x
+    slower here). Subprocesses (training ranks) set their own thread counts."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def seaweedfs(tmp_path_factory):
     """SeaweedFS `weed mini` on 127.0.0.1, S3 API with access keys; stopped after the session.

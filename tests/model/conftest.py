@@ -7,15 +7,6 @@ from model.config import preset
 from model.model import GLMModel
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny ops on a shared 2-core machine: one thread avoids oversubscription stalls (10x here).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture
 def tiny_model():
     torch.manual_seed(0)

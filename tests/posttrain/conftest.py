@@ -5,15 +5,6 @@ from model.config import tiny
 from model.model import GLMModel
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny ops on a shared 2-core machine: one thread avoids oversubscription stalls.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def small_model(seed: int = 0, **overrides) -> GLMModel:
     """tiny() cut to 2 layers (one dense, one MoE) + MTP depth 1, vocab 512: every module kind
     QAT touches, in well under a second per forward."""

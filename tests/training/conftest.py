@@ -2,7 +2,6 @@
 trained on them, data_processing's packing) and a very small GLM model config for it."""
 from __future__ import annotations
 
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -10,8 +9,8 @@ import pytest
 from data_processing.document import Document
 from data_processing.packing import PackConfig, pack
 from data_processing.tokenizer import TOKENIZER_FILE, train_tokenizer
+from tests.data_processing.conftest import stdlib_docs as shared_stdlib_docs
 
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
 SEQ_LEN = 64
 
 # A few hundred thousand parameters: each step takes milliseconds, so 2-rank runs of tens of
@@ -24,16 +23,9 @@ MODEL_OVERRIDES = dict(
 )
 
 
-def stdlib_docs(n: int, min_chars: int = 3000, max_chars: int = 20_000) -> list[Document]:
-    out = []
-    for p in sorted(STDLIB.glob("*.py")):
-        t = p.read_text(encoding="utf-8", errors="replace")
-        if min_chars <= len(t) <= max_chars:
-            out.append(Document(f"stdlib/{p.name}", t, "stdlib"))
-        if len(out) == n:
-            break
-    assert len(out) == n
-    return out
+def stdlib_docs(n: int) -> list[Document]:
+    """n real stdlib modules of 3-20k characters (small enough for the tiny training runs)."""
+    return shared_stdlib_docs(n, min_chars=3000, max_chars=20_000)
 
 
 def build_packed(root: Path) -> dict[str, Path]:

@@ -16,15 +16,6 @@ REPO = Path(__file__).resolve().parents[2]
 H = 4   # heads in the hand-built outputs: attention rows sum to H, as the model's do
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny ops on a shared 2-core machine: more threads only add contention.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def causal(B: int, T: int) -> torch.Tensor:
     return torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T)
 
