@@ -47,7 +47,7 @@ Measured (shared 2-core VM, 1 thread, load average 4-8 from other jobs, so +-2x 
       16384    38.50    47.38    5.46   41.87    0.81x        298     493
       32768   153.99   134.72   24.26  110.35    1.14x        555     885
       32768   261.12   151.65   44.15  107.43    1.72x        555     911   (d237882, slower topk)
-      32768   110.99    92.64   18.21   74.38    1.20x        555      885   (--rounds 2, lower load)
+      32768   110.99    92.64   18.21   74.38    1.20x        555     885   (--rounds 2, lower load)
 
 Before (the per-head MQA path through the MHA kernel, same shapes, same process): 2K forward +
 backward of the sparse attention 90 s, now 3.5 s. The attention half now runs its batched
