@@ -11,13 +11,13 @@ R qk_rope_head_dim, V v_head_dim, C kv_lora_rank, Cq q_lora_rank, K index_topk, 
     logit = (q_nope.k_nope + q_rope.k_rope) / sqrt(N + R)
 
 Two numerically equivalent paths:
-- explicit (prefill / training): materialise per-head k and v;
-- absorbed (decode, cache non-empty): fold W_UK into the query and W_UV into the output, so
-  attention runs over the cached latents [c_KV | k_rope] (C + R values per token), one shared
-  "key head" for all H query heads (MQA).
+- explicit (dense prefill / training): materialise per-head k and v;
+- absorbed (decode, and every DSA forward): fold W_UK into the query and W_UV into the output,
+  so attention runs over the cached latents [c_KV | k_rope] (C + R values per token), one shared
+  "key head" for all H query heads (MQA), as GLM-5 runs DSA.
 
-Layer kinds: "dsa" attends to the indexer's top-K keys (kernels.sparse_attention) unless dense
-mode is on; "full" is dense MLA; "swa" is dense MLA within a sliding window.
+Layer kinds: "dsa" attends to the indexer's top-K keys (kernels.sparse_attention_mqa) unless
+dense mode is on; "full" is dense MLA; "swa" is dense MLA within a sliding window.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels.sparse_attention import sparse_attention, sparse_attention_mqa
+from kernels.sparse_attention import sparse_attention_mqa
 from kernels.topk import deterministic_topk
 from model.attention import AttnContext, dense_attention, head_summed_probs
 from model.cache import KVCache
@@ -103,8 +103,11 @@ class MLA(nn.Module):
             indices = None
 
         # ---- attention ----
-        if ctx.past == 0:
-            out, probs = self._explicit(q_nope, q_rope, c, k_rope, allowed, indices, want.attn_probs)
+        # Dense prefill/training: explicit per-head keys. Decode and DSA (any length): the absorbed
+        # MQA form over the latent cache, as GLM-5 runs DSA: one gathered latent row serves every
+        # head, which is what makes sparse attention cheaper than dense (bench/attention.py).
+        if ctx.past == 0 and indices is None:
+            out, probs = self._explicit(q_nope, q_rope, c, k_rope, allowed, want.attn_probs)
         else:
             out, probs = self._absorbed(q_nope, q_rope, c, k_rope, allowed, indices, want.attn_probs)
         return self.o_proj(out.reshape(B, T, H * self.V)), idx_out, probs
@@ -118,16 +121,13 @@ class MLA(nn.Module):
         sel.scatter_(-1, torch.where(indices < 0, S, indices), True)
         return allowed & sel[..., :S]
 
-    def _explicit(self, q_nope, q_rope, c, k_rope, allowed, indices, want_probs):
+    def _explicit(self, q_nope, q_rope, c, k_rope, allowed, want_probs):
         B, S, _ = c.shape
         k_nope, v = self.kv_b_proj(c).view(B, S, self.H, self.N + self.V).split([self.N, self.V], -1)
         q = torch.cat([q_nope, q_rope], -1)                                    # [B,T,H,N+R]
         k = torch.cat([k_nope, k_rope[:, :, None, :].expand(B, S, self.H, self.R)], -1)  # [B,S,H,N+R]
-        if indices is not None:
-            out = sparse_attention(q, k, v, indices, self.scale)               # [B,T,H,V]
-        else:
-            out = dense_attention(q, k, v, allowed, self.scale)
-        probs = head_summed_probs(q, k, self._restrict(allowed, indices), self.scale) if want_probs else None
+        out = dense_attention(q, k, v, allowed, self.scale)                    # [B,T,H,V]
+        probs = head_summed_probs(q, k, allowed, self.scale) if want_probs else None
         return out, probs
 
     def _absorbed(self, q_nope, q_rope, c, k_rope, allowed, indices, want_probs):
