@@ -33,11 +33,14 @@ class StepConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-def expand_path(p: str | Path) -> Path:
+def expand_placeholders(s: str) -> str:
     """Resolve the placeholders configs may use: {stdlib} (this Python's standard library)
     and {samples} (the repo's samples/), so presets stay portable across machines."""
-    s = str(p).replace("{stdlib}", sysconfig.get_paths()["stdlib"]).replace("{samples}", str(SAMPLES_DIR))
-    return Path(s).expanduser()
+    return s.replace("{stdlib}", sysconfig.get_paths()["stdlib"]).replace("{samples}", str(SAMPLES_DIR))
+
+
+def expand_path(p: str | Path) -> Path:
+    return Path(expand_placeholders(str(p))).expanduser()
 
 
 # ---------------------------------------------------------------------------------------------

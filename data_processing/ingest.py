@@ -17,7 +17,6 @@ import fnmatch
 import json
 import os
 import shutil
-import sysconfig
 import tempfile
 import unicodedata
 from collections import Counter
@@ -28,6 +27,7 @@ from typing import Any, Iterator, Literal
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from data_processing.common import expand_placeholders
 from data_processing.document import Document, ShardWriter, shard_paths
 from glmforge.stage import StageSpec, Workdir
 
@@ -82,18 +82,10 @@ class Raw:
     raw: bytes | str | None = None
 
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
 def resolve_path(path: str) -> str:
-    """`{stdlib}` -> Python's standard library; a relative path that does not exist in the
-    current directory is looked up in the glmforge checkout (where samples/ lives)."""
-    path = path.replace("{stdlib}", sysconfig.get_paths()["stdlib"])
-    if "://" not in path and not Path(path).is_absolute() and not Path(path).exists():
-        candidate = REPO_ROOT / path
-        if candidate.exists():
-            return str(candidate)
-    return path
+    """A source path with {stdlib} and {samples} expanded (local paths also get ~ expanded)."""
+    path = expand_placeholders(path)
+    return path if "://" in path else str(Path(path).expanduser())
 
 
 def _list_files(src: SourceConfig) -> list[str]:
