@@ -25,6 +25,7 @@ export here reads full parameters on rank 0.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -145,8 +146,11 @@ class PretrainConfig(TrainConfig):
             model = preset(self.model_preset, **self.model_overrides)
         except Exception as e:  # pydantic's ValidationError or the preset's own ValueError
             raise ValueError(f"model_overrides do not give a valid {self.model_preset} model: {e}") from None
-        # The stage publishes a Hugging Face export; find out now, not after training.
-        to_hf_config(model)
+        # The stage publishes a Hugging Face export; find out now, not after training. (Its
+        # warnings, e.g. about dense_attention, belong to the export, not to loading a config.)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            to_hf_config(model)
         return self
 
 
