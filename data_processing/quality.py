@@ -15,8 +15,10 @@ histogram PNG, and the held-out precision/recall in the metrics.
 """
 from __future__ import annotations
 
+import multiprocessing
 import random
 import re
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Literal, Sequence
 
@@ -106,6 +108,17 @@ def fasttext_line(text: str, max_chars: int) -> str:
     return " ".join(text[:max_chars].split()[:MAX_WORDS])
 
 
+def _train_fasttext(input_path: str, model_path: str, params: dict) -> str | None:
+    """Train and save a supervised fastText model (runs in a child process); the error text or None."""
+    import fasttext
+
+    try:
+        fasttext.train_supervised(input=input_path, **params).save_model(model_path)
+        return None
+    except RuntimeError as e:
+        return str(e)
+
+
 class QualityClassifier:
     """A trained fastText binary classifier; score(texts) -> P(positive)."""
 
@@ -123,21 +136,23 @@ class QualityClassifier:
         path = Path(workdir) / f"{cfg.name}.train.txt"
         path.write_text("\n".join(rows) + "\n", encoding="utf-8")
         # fasttext-numpy2 0.10.4 intermittently raises "Encountered NaN" for the same file, seed
-        # and thread=1 (measured: 1 to 5 failures in 8 identical calls, more on a loaded
-        # machine), while the runs that finish give bit-identical models: a spurious failure,
-        # not divergence. So the same call is retried; the attempt count lands in the metrics.
+        # and thread=1, while the runs that finish give bit-identical models: a spurious failure,
+        # not divergence. It depends on the process's memory (in a long-lived process it can fail
+        # every time), so each attempt trains in a fresh process; the attempt count lands in the
+        # metrics.
+        params = dict(dim=cfg.dim, epoch=cfg.epoch, lr=cfg.lr, wordNgrams=cfg.word_ngrams, bucket=cfg.bucket,
+                      thread=threads, seed=seed, verbose=0, minCount=1,
+                      loss="ova")  # one-vs-all sigmoid: P(hq) is read directly
+        model_path = Path(workdir) / f"{cfg.name}.trained.bin"
+        ctx = multiprocessing.get_context("spawn")
         for attempt in range(1, 21):
-            try:
-                model = fasttext.train_supervised(
-                    input=str(path), dim=cfg.dim, epoch=cfg.epoch, lr=cfg.lr, wordNgrams=cfg.word_ngrams,
-                    bucket=cfg.bucket, thread=threads, seed=seed, verbose=0, minCount=1,
-                    loss="ova",  # one-vs-all sigmoid: P(hq) is read directly
-                )
+            with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+                error = pool.submit(_train_fasttext, str(path), str(model_path), params).result()
+            if error is None:
                 break
-            except RuntimeError as e:
-                if "NaN" not in str(e) or attempt == 20:
-                    raise
-        clf = cls(model, cfg)
+            if "NaN" not in error or attempt == 20:
+                raise RuntimeError(f"fastText training of classifier {cfg.name!r} failed: {error}")
+        clf = cls(fasttext.load_model(str(model_path)), cfg)
         clf.attempts = attempt
         return clf
 
