@@ -145,9 +145,18 @@ def main(argv: list[str]) -> None:
     # The DeepSpeed launcher appends --local_rank; LOCAL_RANK in the environment says the same.
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    import torch.distributed as dist
+
     from training.loop import train
 
-    train(json.loads(args.spec.read_text()))
+    try:
+        train(json.loads(args.spec.read_text()))
+    finally:
+        # Tear the process group down before interpreter exit: left to static destructors, gloo's
+        # threads can abort a rank ("terminate called without an active exception") after a
+        # run that finished.
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
