@@ -63,23 +63,14 @@ is ~20% of DSA's time at 32K.
 
 import argparse
 import json
-import os
-import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from memory import peak_rss_mb, rss_mb  # bench/memory.py (the script's directory is on sys.path)
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB on Linux
 
 
 def measure(method: str, length: int, args) -> dict:
@@ -138,7 +129,7 @@ def measure(method: str, length: int, args) -> dict:
         return {"indexer_s": t1 - t0, "sparse_attn_s": time.perf_counter() - t1}
 
     fn = {"dense": dense, "dsa": dsa}[method]
-    base = _rss_mb()
+    base = rss_mb()
     best = None
     for _ in range(args.repeats):
         for t in ([q, kv] if method == "dsa" and mqa else [q, k, v]):
@@ -148,7 +139,7 @@ def measure(method: str, length: int, args) -> dict:
         seconds = time.perf_counter() - t0
         if best is None or seconds < best["seconds"]:
             best = {"seconds": seconds, **parts}
-    return {"method": method, "length": length, **best, "peak_extra_mb": _peak_rss_mb() - base}
+    return {"method": method, "length": length, **best, "peak_extra_mb": peak_rss_mb() - base}
 
 
 def run_in_subprocess(method: str, length: int, argv: list[str]) -> dict:

@@ -18,23 +18,14 @@ after the model and inputs exist: "extra memory the pass needs".
 
 import argparse
 import json
-import os
-import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from memory import peak_rss_mb, rss_mb  # bench/memory.py (the script's directory is on sys.path)
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB on Linux
 
 
 def measure(mode: str, length: int, args) -> dict:
@@ -54,7 +45,7 @@ def measure(mode: str, length: int, args) -> dict:
     model = GLMModel(cfg)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, length + 1))
     x, y = ids[:, :-1], ids[:, 1:]
-    base = _rss_mb()
+    base = rss_mb()
 
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -66,7 +57,7 @@ def measure(mode: str, length: int, args) -> dict:
     out.loss.backward()
     train_s = time.perf_counter() - t0
     return {"mode": mode, "length": length, "forward_s": forward_s, "train_s": train_s,
-            "peak_extra_mb": _peak_rss_mb() - base}
+            "peak_extra_mb": peak_rss_mb() - base}
 
 
 def run_in_subprocess(mode: str, length: int, argv: list[str]) -> dict:
