@@ -23,11 +23,17 @@
        ptq_int4  the same conversion of the baseline run's weights
        full_no_qat  the baseline run in full precision (the reference PTQ degrades from)
    recovery = (ppl(ptq_int4) - ppl(qat_int4)) / (ppl(ptq_int4) - ppl(full_no_qat)): the share
-   of the PTQ degradation that QAT wins back (GLM-5's target: at least 2/3). The two runs also
-   differ by their trajectories, which on a tiny, briefly trained model can outweigh the INT4
-   gap (the ratio then leaves [0, 1]); qat_recovery_ppl_own = 1 - (qat_int4 - full) /
-   (ptq_int4 - full_no_qat) compares each model with its own full precision instead. A tiny
-   model's GSM8K accuracy is ~0, so perplexity is the number that means something there.
+   of the PTQ degradation that QAT wins back (GLM-5's target: at least 2/3, RECOVERY_TARGET).
+   The two runs also differ by their trajectories: with gap_ptq = ptq_int4 - full_no_qat,
+   gap_qat = qat_int4 - full and cost = full - full_no_qat (what QAT training did to the
+   full-precision model),
+       recovery = 1 - gap_qat / gap_ptq - cost / gap_ptq,
+   and qat_recovery_ppl_own = 1 - gap_qat / gap_ptq is the share without the trajectory term
+   (each model against its own full precision). When |cost| >= gap_ptq the trajectory term alone
+   moves the ratio by a whole unit: the ratio then says more about the two training runs than
+   about INT4, and qat_recovery_resolved is False (on the tiny preset INT4 costs 1-2% perplexity,
+   about what QAT training itself costs; see configs/tiny.yaml's sft block). A tiny model's GSM8K
+   accuracy is ~0, so perplexity is the number that means something there.
 5. Exports under workdir.out: consolidated.safetensors + hf/ (the loop's, full precision),
    export/full (model.hf.save_pretrained) and export/int4 (compressed-tensors pack-quantized,
    posttrain.export_int4.export_all), int4/model_int4.safetensors (our INT4 format), eval.json.
@@ -63,6 +69,7 @@ from training.stages import _state_config, train_stage
 
 log = logging.getLogger("glmforge")
 MODELS = ("full", "ptq_int4", "qat_int4", "full_no_qat")
+RECOVERY_TARGET = 2 / 3     # GLM-5: QAT recovers at least two thirds of the PTQ degradation
 
 
 class SFTConfig(TrainConfig):
@@ -185,21 +192,32 @@ def evaluate_quantization(cfg: SFTConfig, qat_weights: Path | None, baseline_wei
         score("full_no_qat", base)
         save_int4(base, cfg.qat, scratch)
         score("ptq_int4", load_int4_model(scratch))
+    return {"quantization": table, "int4_bytes": sizes, **summarize(table), "gsm8k_examples": examples}
+
+
+def summarize(table: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The recovery numbers of a quantization table (module doc, step 4). Without the baseline
+    rows (full_no_qat, ptq_int4) only QAT's own INT4 gap is known."""
+    full, qat = table["full"]["ppl"], table["qat_int4"]["ppl"]
     ref = table.get("full_no_qat", {}).get("ppl")
     ptq = table.get("ptq_int4", {}).get("ppl")
-    qat = table["qat_int4"]["ppl"]
-    return {"quantization": table, "int4_bytes": sizes,
-            # all against the same reference, the baseline's full-precision model; the two runs
-            # also differ by their training trajectories, so the ratio can leave [0, 1]
-            "qat_recovery_ppl": recovery(ptq, qat, ref),
-            "ptq_degradation_ppl": None if ptq is None else ptq - ref,
-            "qat_degradation_ppl": None if ref is None else qat - ref,
-            "qat_int4_minus_full_ppl": qat - table["full"]["ppl"],     # QAT's own INT4 gap
-            # each model against its own full precision (no trajectory difference): the share
-            # of PTQ's quantization gap that QAT's gap no longer has
-            "qat_recovery_ppl_own": (None if ptq is None or ptq - ref <= 1e-9
-                                     else 1 - (qat - table["full"]["ppl"]) / (ptq - ref)),
-            "gsm8k_examples": examples}
+    rec = recovery(ptq, qat, ref)
+    gap_ptq = None if ptq is None or ref is None else ptq - ref
+    cost = None if ref is None else full - ref
+    return {
+        # all against the same reference, the baseline's full-precision model (the issue's ratio)
+        "qat_recovery_ppl": rec,
+        "qat_recovery_target": RECOVERY_TARGET,
+        "qat_target_met": None if rec is None else rec >= RECOVERY_TARGET,
+        "ptq_degradation_ppl": gap_ptq,
+        "qat_degradation_ppl": None if ref is None else qat - ref,
+        "qat_int4_minus_full_ppl": qat - full,                          # QAT's own INT4 gap
+        "qat_full_minus_full_no_qat_ppl": cost,                         # the trajectory term
+        # each model against its own full precision (no trajectory term)
+        "qat_recovery_ppl_own": None if rec is None else 1 - (qat - full) / gap_ptq,
+        # False: the runs' full-precision models differ by at least PTQ's whole degradation
+        "qat_recovery_resolved": None if rec is None else abs(cost) < gap_ptq,
+    }
 
 
 # ---------------------------------------------------------------- the stage
@@ -262,8 +280,11 @@ def run_sft(cfg: SFTConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[s
     for name, row in quant["quantization"].items():
         log.info("sft: %-11s held-out ppl %.3f  gsm8k acc %s (n=%d)", name, row["ppl"], row["gsm8k_acc"], row["gsm8k_n"])
     if cfg.use_qat:
-        log.info("sft: QAT recovers %s of the PTQ perplexity degradation (each model vs its own full "
-                 "precision: %s)", quant["qat_recovery_ppl"], quant["qat_recovery_ppl_own"])
+        log.info("sft: QAT recovers %s of the PTQ perplexity degradation (target %.2f, met: %s; each model "
+                 "vs its own full precision: %s; QAT training's own full-precision cost %s ppl vs PTQ's "
+                 "degradation %s ppl, resolved: %s)", quant["qat_recovery_ppl"], RECOVERY_TARGET,
+                 quant["qat_target_met"], quant["qat_recovery_ppl_own"], quant["qat_full_minus_full_no_qat_ppl"],
+                 quant["ptq_degradation_ppl"], quant["qat_recovery_resolved"])
 
     export_all(load_state(out / "consolidated.safetensors").eval(), cfg.qat, out / "export", tok_dir)
     evals = json.loads((out / "eval.json").read_text())

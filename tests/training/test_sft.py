@@ -22,7 +22,8 @@ from tests.training.conftest import MODEL_OVERRIDES
 from training import checkpoint, metrics
 from training.data import IGNORE, collate, doc_ids_from_starts
 from training.objectives import build_objective
-from training.sft import BASE, MODELS, SFTConfig, evaluate_quantization, objective_spec, recovery, run_sft
+from training.sft import (BASE, MODELS, RECOVERY_TARGET, SFTConfig, evaluate_quantization, objective_spec, recovery,
+                          run_sft, summarize)
 from training.sft_data import (CALCULATOR, SEARCH_DOCS, DocIndex, SFTDataConfig, build_samples, build_sft_data,
                                calculator, gsm8k_splits, stdlib_functions)
 
@@ -211,6 +212,28 @@ def test_without_qat_the_run_is_the_ptq_baseline(sft_data, tokenizer, tmp_path):
     assert recovery(12.0, 10.0, 9.0) == pytest.approx(2 / 3) and recovery(9.0, 9.5, 9.0) is None
 
 
+def _table(full: float, qat: float, ref: float, ptq: float) -> dict:
+    return {"full": {"ppl": full}, "qat_int4": {"ppl": qat}, "full_no_qat": {"ppl": ref}, "ptq_int4": {"ppl": ptq}}
+
+
+def test_recovery_splits_into_own_share_and_the_training_runs_difference():
+    # PTQ costs 3; QAT's own INT4 gap is 0.5 and its full-precision model is 0.5 better: recovery
+    # = own share (1 - 0.5/3) minus the trajectory term (-0.5/3)
+    got = summarize(_table(full=9.5, qat=10.0, ref=10.0, ptq=13.0))
+    assert got["qat_recovery_ppl"] == pytest.approx(1.0) and got["qat_recovery_ppl_own"] == pytest.approx(5 / 6)
+    assert got["qat_full_minus_full_no_qat_ppl"] == pytest.approx(-0.5) and got["qat_recovery_resolved"] is True
+    assert got["qat_target_met"] is True and got["qat_recovery_target"] == RECOVERY_TARGET
+    # the tiny preset's case: QAT training costs the full model more than PTQ's whole degradation
+    got = summarize(_table(full=106.7, qat=107.4, ref=103.6, ptq=104.8))
+    assert got["qat_recovery_ppl"] < 0 < got["qat_recovery_ppl_own"] < RECOVERY_TARGET
+    assert got["qat_recovery_resolved"] is False and got["qat_target_met"] is False
+    # PTQ does not degrade, or no baseline: nothing to recover, nothing to judge
+    for table in (_table(full=9.0, qat=9.1, ref=9.0, ptq=8.9), {"full": {"ppl": 9.0}, "qat_int4": {"ppl": 9.2}}):
+        got = summarize(table)
+        assert got["qat_recovery_ppl"] is None and got["qat_target_met"] is None and got["qat_recovery_resolved"] is None
+        assert got["qat_int4_minus_full_ppl"] == pytest.approx(table["qat_int4"]["ppl"] - 9.0)
+
+
 def test_a_group_size_the_model_cannot_take_fails_before_training(packed, tmp_path):
     parent = tmp_path / BASE
     save_state(_model(), parent / "consolidated.safetensors")
@@ -235,7 +258,8 @@ def test_sft_stage_with_qat_checkpoints_resumes_and_reports_int4(packed, tmp_pat
     assert q["full"]["ppl"] != q["qat_int4"]["ppl"]                # INT4 is not the full model
     b = result["int4_bytes"]
     assert b["int4_bytes"] * 4 == b["fp16_bytes"] and b["quantized_params"] > 0
-    assert "qat_recovery_ppl" in result and "qat_recovery_ppl_own" in result and "INT4" in caplog.text
+    assert {"qat_recovery_ppl", "qat_recovery_ppl_own", "qat_target_met", "qat_recovery_resolved"} <= set(result)
+    assert "INT4" in caplog.text
     first = metrics.read(wd.checkpoint / "metrics.jsonl")
     assert [r["step"] for r in first] == [1, 2, 3, 4]
     assert checkpoint.tags(wd.checkpoint) == [checkpoint.tag_for(s) for s in (2, 4)]
