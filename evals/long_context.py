@@ -153,6 +153,13 @@ def _assemble(filler: list[str], needles: list[str], depths: list[float], questi
     return " ".join(pieces) + "\n" + question
 
 
+def default_filler_texts() -> list[str]:
+    """The shipped haystack corpus (samples/tinyshakespeare)."""
+    if not DEFAULT_FILLER.exists():
+        raise ValueError(f"haystack corpus {DEFAULT_FILLER} is missing")
+    return [DEFAULT_FILLER.read_text()]
+
+
 # ---------------------------------------------------------------- keys and tasks
 def is_eval_key(key: str) -> bool:
     """One key in five belongs to evaluation, the rest to training documents."""
@@ -260,6 +267,28 @@ def training_documents(tokenizer, lengths: Sequence[int], n_per_task: int, seed:
             for i, ex in enumerate(_generate(tokenizer, lengths, n_per_task, seed, filler_texts, tasks, "train"))]
 
 
+def key_value_documents(n: int, seed: int, sizes: Sequence[int] = (4, 8, 12, 16)) -> list[Document]:
+    """Dense recall documents: a list of needles, then every key asked again in shuffled order
+    with its answer. Training keys only. The haystack formats give a model one copy event (the
+    value) per document; here every answer line is one, which is what makes a small model form
+    the attention pattern retrieval needs (match the key, copy what followed it) in CPU minutes
+    rather than hours; the haystack documents then teach it to ignore the filler."""
+    if n < 0 or not sizes or min(sizes) < 1:
+        raise ValueError(f"need n >= 0 and positive sizes, got n={n}, sizes={list(sizes)}")
+    out = []
+    for i in range(n):
+        rng = random.Random(f"kv/{seed}/{i}")
+        taken: set[str] = set()
+        keys = [_key(rng, "train", taken) for _ in range(rng.choice(list(sizes)))]
+        values = _values(rng, len(keys))
+        asked = rng.sample(range(len(keys)), len(keys))
+        text = " ".join(_needle(k, v) for k, v in zip(keys, values)) + "\n" + "\n".join(
+            f"{_ask_key(keys[j])} {values[j]}." for j in asked)
+        out.append(Document(f"long-context/key_value/{seed}/{i}", text, "long-context-synthetic",
+                            {"task": "key_value", "length": len(keys)}))
+    return out
+
+
 # ---------------------------------------------------------------- scoring
 def exact_match(continuation: str, answer: str) -> bool:
     """The continuation's first line, stripped, must be exactly the answer."""
@@ -315,9 +344,7 @@ def evaluate_checkpoint(model_dir: str | Path, lengths: Sequence[int], *, n_per_
     if not (model_dir / "tokenizer.json").exists():
         raise ValueError(f"{model_dir} has no tokenizer.json")
     if filler_texts is None:
-        if not DEFAULT_FILLER.exists():
-            raise ValueError(f"default haystack corpus {DEFAULT_FILLER} is missing; pass filler_texts")
-        filler_texts = [DEFAULT_FILLER.read_text()]
+        filler_texts = default_filler_texts()
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     model = load_pretrained(model_dir)
     if dense_attention is not None and dense_attention != model.config.dense_attention:

@@ -30,6 +30,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from evals import long_context
+
 Optimizer = Literal["muon", "muon_split", "deepspeed_muon", "adamw"]
 CLIENT_MUON = ("muon", "muon_split")
 
@@ -181,11 +183,50 @@ class MixConfig(BaseModel):
         return self
 
 
-class ContextConfig(TrainConfig):
-    """One context-extension phase: continue from the previous stage's weights on longer
-    sequences packed here from the curated documents, with a larger RoPE base."""
+class RetrievalDocsConfig(BaseModel):
+    """Synthetic retrieval documents (evals.long_context.training_documents: the evaluation's
+    formats with training keys only) mixed into a long-context phase's data."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    lengths: tuple[int, ...] = (256, 512)
+    docs_per_task: int = Field(50, ge=0, description="per length and task; 0 = none")
+    tasks: tuple[str, ...] = long_context.TASKS
+    key_value_docs: int = Field(0, ge=0, description="dense key-value recall documents "
+                                "(evals.long_context.key_value_documents)")
+    seed: int = Field(1, description="the evaluation suite has its own seed; keys never overlap")
+
+    @model_validator(mode="after")
+    def _check(self) -> "RetrievalDocsConfig":
+        bad = [t for t in self.tasks if t not in long_context.TASKS]
+        if bad or not self.tasks:
+            raise ValueError(f"retrieval.tasks: unknown {bad or 'empty'}; choose from {long_context.TASKS}")
+        if not self.lengths or min(self.lengths) <= 0:
+            raise ValueError(f"retrieval.lengths must be positive token counts, got {self.lengths}")
+        return self
+
+
+class LongDataConfig(TrainConfig):
+    """A phase trained on long sequences packed here from the curated documents (the long-context
+    mix), plus synthetic retrieval documents."""
 
     seq_len: int = Field(1024, ge=16)
-    rope_theta: float = Field(50000.0, gt=0)
     mix: MixConfig = MixConfig()
     val_fraction: float = Field(0.05, gt=0, lt=1)
+    retrieval: RetrievalDocsConfig = RetrievalDocsConfig(docs_per_task=0)
+
+    @model_validator(mode="after")
+    def _check_retrieval(self) -> "LongDataConfig":
+        # A retrieval document is its prompt (at most `length` tokens) + answer + end-of-text:
+        # it must fit in one packed sequence, or no copy of it would ever be seen whole.
+        if self.retrieval.docs_per_task and max(self.retrieval.lengths) >= self.seq_len:
+            raise ValueError(f"retrieval.lengths {self.retrieval.lengths} must stay below seq_len "
+                             f"{self.seq_len} (the document adds its answer and <|endoftext|>)")
+        return self
+
+
+class ContextConfig(LongDataConfig):
+    """One context-extension phase: continue from the previous stage's weights on longer
+    sequences with a larger RoPE base."""
+
+    rope_theta: float = Field(50000.0, gt=0)

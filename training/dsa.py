@@ -45,10 +45,10 @@ from glmforge.stage import StageSpec, Workdir
 from model.config import ModelConfig
 from model.hf import load_state, save_state
 from model.model import GLMModel, freeze_all_but_indexer, moe_layers
-from training.config import MixConfig, Optimizer, TrainConfig
+from training.config import LongDataConfig, Optimizer, RetrievalDocsConfig
 from training.data import IGNORE, eval_batches
 from training.dsa_loss import forward_kwargs, sparse_indexer_loss, warmup_indexer_loss
-from training.longdata import pack_long
+from training.longdata import pack_stage_data
 from training.objectives import Objective, register
 from training.stages import _state_config, train_stage
 
@@ -58,26 +58,6 @@ PROBE_FILE = "indexer_probe.json"
 
 
 # ---------------------------------------------------------------- config
-class RetrievalDocsConfig(BaseModel):
-    """Synthetic retrieval documents mixed into the training data (training keys only)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    lengths: tuple[int, ...] = (256, 512)
-    docs_per_task: int = Field(50, ge=0, description="per length and task; 0 = none")
-    tasks: tuple[str, ...] = long_context.TASKS
-    seed: int = Field(1, description="the evaluation suite uses long_eval.seed; keys never overlap")
-
-    @model_validator(mode="after")
-    def _check(self) -> "RetrievalDocsConfig":
-        bad = [t for t in self.tasks if t not in long_context.TASKS]
-        if bad or not self.tasks:
-            raise ValueError(f"retrieval.tasks: unknown {bad or 'empty'}; choose from {long_context.TASKS}")
-        if not self.lengths or min(self.lengths) <= 0:
-            raise ValueError(f"retrieval.lengths must be positive token counts, got {self.lengths}")
-        return self
-
-
 class LongEvalConfig(BaseModel):
     """The RULER-like suite every model of dsa-adapt is scored on (one suite for all)."""
 
@@ -99,22 +79,10 @@ class LongEvalConfig(BaseModel):
         return self
 
 
-class DsaDataConfig(TrainConfig):
+class DsaDataConfig(LongDataConfig):
     """What both DSA stages share: the packed long-context mix plus retrieval documents."""
 
-    seq_len: int = Field(1024, ge=16)
-    mix: MixConfig = MixConfig()
-    val_fraction: float = Field(0.05, gt=0, lt=1)
     retrieval: RetrievalDocsConfig = RetrievalDocsConfig()
-
-    @model_validator(mode="after")
-    def _check_retrieval(self) -> "DsaDataConfig":
-        # A retrieval document is its prompt (at most `length` tokens) + answer + end-of-text:
-        # it must fit in one packed sequence, or no copy of it would ever be seen whole.
-        if self.retrieval.docs_per_task and max(self.retrieval.lengths) >= self.seq_len:
-            raise ValueError(f"retrieval.lengths {self.retrieval.lengths} must stay below seq_len "
-                             f"{self.seq_len} (the document adds its answer and <|endoftext|>)")
-        return self
 
 
 class DsaWarmupConfig(DsaDataConfig):
@@ -203,26 +171,6 @@ class SparseAdaptation(Objective):
 
 
 # ---------------------------------------------------------------- helpers (stage process)
-def _filler_texts() -> list[str]:
-    if not long_context.DEFAULT_FILLER.exists():
-        raise ValueError(f"haystack corpus {long_context.DEFAULT_FILLER} is missing")
-    return [long_context.DEFAULT_FILLER.read_text()]
-
-
-def pack_dsa_data(cfg: DsaDataConfig, inputs: dict[str, Path], workdir: Workdir) -> tuple[Path, dict]:
-    """The long-context mix + retrieval documents, packed once into workdir.checkpoint/packed."""
-    data_dir = workdir.checkpoint / "packed"
-    r = cfg.retrieval
-    extra = []
-    if r.docs_per_task:
-        tok = load_tokenizer(Path(inputs["tokenize"]))
-        extra = long_context.training_documents(tok, r.lengths, r.docs_per_task, r.seed, _filler_texts(), r.tasks)
-    meta = pack_long(inputs["decontaminate"], inputs["tokenize"], data_dir, cfg.seq_len, cfg.mix,
-                     cfg.val_fraction, workdir.seed + cfg.seed_offset, extra=extra)
-    workdir.persist_checkpoint()
-    return data_dir, meta
-
-
 def _sub(workdir: Workdir, out: Path, checkpoint: Path) -> Workdir:
     out.mkdir(parents=True, exist_ok=True)
     checkpoint.mkdir(parents=True, exist_ok=True)
@@ -290,7 +238,7 @@ def long_context_table(models: dict[str, Path], tokenizer_dir: Path, cfg: LongEv
     from data_processing.tokenizer import TOKENIZER_FILE
 
     tok = Tokenizer.from_file(str(Path(tokenizer_dir) / TOKENIZER_FILE))
-    examples = long_context.generate_suite(tok, cfg.lengths, cfg.n_per_task, cfg.seed, _filler_texts(), cfg.tasks)
+    examples = long_context.generate_suite(tok, cfg.lengths, cfg.n_per_task, cfg.seed, long_context.default_filler_texts(), cfg.tasks)
     table, detail = {}, {}
     for name, path in models.items():
         model = load_state(path).eval()
@@ -326,7 +274,7 @@ def run_warmup(cfg: DsaWarmupConfig, inputs: dict[str, Path], workdir: Workdir) 
     # after); deterministic top-k so the recall measured here is the selection used later.
     model_cfg = base.replace(dense_attention=True, index_topk_method="deterministic",
                              max_position_embeddings=max(base.max_position_embeddings, cfg.seq_len))
-    data_dir, packed = pack_dsa_data(cfg, inputs, workdir)
+    data_dir, packed = pack_stage_data(cfg, inputs, workdir)
     result = train_stage("dsa-warmup", cfg, model_cfg, data_dir, inputs["tokenize"], workdir, init,
                          objective={"name": "dsa_warmup", "module": MODULE})
     probe = {"before": indexer_probe(_model(init, model_cfg), data_dir, cfg.probe_sequences),
@@ -357,7 +305,7 @@ def run_adapt(cfg: DsaAdaptConfig, inputs: dict[str, Path], workdir: Workdir) ->
         "full": base.replace(dense_attention=True),
         "swa": variants["swa"],
     }
-    data_dir, packed = pack_dsa_data(cfg, inputs, workdir)
+    data_dir, packed = pack_stage_data(cfg, inputs, workdir)
     runs: dict[str, dict] = {}
     weights: dict[str, Path] = {}
     for name in ("dsa", *cfg.baselines):

@@ -8,8 +8,8 @@ has at least mix.long_chars characters. Under mix.max_chars the heaviest documen
 data_processing.packing.pack then repeats each document min(weight, mix.max_repeats) times,
 shuffles and packs seq_len windows (with a held-out split, never up-sampled).
 
-`extra` documents (e.g. evals.long_context.training_documents: synthetic retrieval prompts for
-the DSA stages) join the mix after the max_chars cap, once each, whatever the weights: they are
+`extra` documents (evals.long_context.training_documents: synthetic retrieval prompts, see
+pack_stage_data) join the mix after the max_chars cap, once each, whatever the weights: they are
 what the caller asked for, not a sample of the corpus.
 
 The packed data lives in the stage's checkpoint directory with a PACKED marker written last,
@@ -27,7 +27,9 @@ from data_processing.common import iter_input_documents
 from data_processing.document import Document
 from data_processing.packing import PackConfig, pack, repo_documents
 from data_processing.tokenizer import load_tokenizer
-from training.config import MixConfig
+from evals import long_context
+from glmforge.stage import Workdir
+from training.config import LongDataConfig, MixConfig
 
 MARKER = "PACKED"
 
@@ -86,3 +88,19 @@ def pack_long(docs_dir: Path, tokenizer_dir: Path, out: Path, seq_len: int, mix:
     meta["extra_documents"] = len(extra)
     (out / MARKER).write_text(json.dumps(meta))
     return meta
+
+
+def pack_stage_data(cfg: LongDataConfig, inputs: dict[str, Path], workdir: Workdir) -> tuple[Path, dict[str, Any]]:
+    """A long-data stage's mix + its retrieval documents, packed once into
+    workdir.checkpoint/packed (persisted, so a retried stage does not pack again)."""
+    data_dir = workdir.checkpoint / "packed"
+    r = cfg.retrieval
+    extra = long_context.key_value_documents(r.key_value_docs, r.seed)
+    if r.docs_per_task:
+        tok = load_tokenizer(Path(inputs["tokenize"]))
+        extra += long_context.training_documents(tok, r.lengths, r.docs_per_task, r.seed,
+                                                 long_context.default_filler_texts(), r.tasks)
+    meta = pack_long(inputs["decontaminate"], inputs["tokenize"], data_dir, cfg.seq_len, cfg.mix,
+                     cfg.val_fraction, workdir.seed + cfg.seed_offset, extra=extra)
+    workdir.persist_checkpoint()
+    return data_dir, meta

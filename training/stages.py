@@ -34,7 +34,7 @@ from model.info import param_counts
 from training import checkpoint, metrics
 from training.config import ContextConfig, PretrainConfig, TrainConfig
 from training.launch import run_ranks
-from training.longdata import pack_long
+from training.longdata import pack_stage_data
 from training.loop import CHECKPOINT, METRIC
 
 log = logging.getLogger("glmforge")
@@ -162,13 +162,10 @@ def _context_run(name: str, previous: str):
         base = _state_config(init)
         model_cfg = base.replace(rope_theta=cfg.rope_theta,
                                  max_position_embeddings=max(base.max_position_embeddings, cfg.seq_len))
-        data_dir = workdir.checkpoint / "packed"
-        packed = pack_long(inputs["decontaminate"], inputs["tokenize"], data_dir, cfg.seq_len, cfg.mix,
-                           cfg.val_fraction, workdir.seed + cfg.seed_offset)
-        workdir.persist_checkpoint()
+        data_dir, packed = pack_stage_data(cfg, inputs, workdir)
         result = train_stage(name, cfg, model_cfg, data_dir, inputs["tokenize"], workdir, init)
         return {**result, "mix_chars_share": packed["mix_chars_share"],
-                "train_sequences": packed["splits"]["train"]["sequences"]}
+                "retrieval_documents": packed["extra_documents"], "train_sequences": packed["splits"]["train"]["sequences"]}
 
     return run
 

@@ -9,7 +9,7 @@ import torch
 
 from data_processing.tokenizer import EOS
 from evals.long_context import (TASKS, Example, baseline_configs, evaluate, exact_match, filler_sentences,
-                                generate_suite, is_eval_key, training_documents)
+                                generate_suite, is_eval_key, key_value_documents, training_documents)
 from model.config import preset
 from model.model import GLMModel
 
@@ -97,6 +97,20 @@ def test_train_and_eval_never_share_keys(tokenizer, shakespeare, suite):
     assert not eval_keys & train_keys
     eval_prompts = {ex.prompt for ex in suite}
     assert not any(d.text.rsplit(" ", 1)[0] in eval_prompts for d in docs)
+
+
+def test_key_value_documents_ask_every_key_with_its_value():
+    docs = key_value_documents(20, seed=3, sizes=(4, 8))
+    assert docs == key_value_documents(20, seed=3, sizes=(4, 8))       # deterministic
+    for d in docs:
+        needles, questions = d.text.split("\n", 1)
+        planted = dict(re.findall(r"The value of key (\w+) is (\d+)\.", needles))
+        asked = re.findall(r"What is the value of key (\w+)\? Answer: The value of key \1 is (\d+)\.", questions)
+        assert len(planted) in (4, 8) and len(asked) == len(planted) == len(questions.split("\n"))
+        assert dict(asked) == planted
+        assert not any(is_eval_key(k) for k in planted)
+    with pytest.raises(ValueError, match="sizes"):
+        key_value_documents(1, seed=0, sizes=())
 
 
 def test_exact_match():
