@@ -208,6 +208,7 @@ def train(spec: dict[str, Any]) -> None:
     while step < total:
         lr = cfg.lr * lr_factor(step, total, cfg.schedule, cfg.warmup_steps, cfg.min_lr_ratio, cfg.decay_fraction)
         set_lr(engine, lr)
+        objective.begin_step(engine.module, step)
         t0 = time.perf_counter()
         sums, grad_norm, balance = train_step(engine, loader, cfg.grad_accum, cfg.zero_stage, gamma, device,
                                               objective)

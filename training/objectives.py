@@ -26,6 +26,10 @@ class Objective:
     def prepare(self, model: torch.nn.Module) -> None:
         """Change the model before the optimizer sees it (default: nothing)."""
 
+    def begin_step(self, model: torch.nn.Module, step: int) -> None:
+        """Called before optimizer step `step` (0-based), also for the first step after a
+        resume; for changes that follow the step count (default: nothing)."""
+
     def loss(self, engine: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         out = engine(batch["input_ids"], labels=batch["labels"], doc_ids=batch["doc_ids"])
         return out.loss, {"loss": out.loss.item(), **{k: _item(out.losses.get(k)) for k in BASE_METRICS[1:]}}

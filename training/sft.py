@@ -10,7 +10,9 @@
    launch, checkpoints, resume and metrics. The objective fake-quantizes the selected weights
    (posttrain.qat.prepare_qat, state-dict names unchanged, so checkpoints and resume are those
    of any stage) and takes the model's LM + MTP loss on the masked labels (training.data.collate
-   sets -100 wherever the loss mask is 0).
+   sets -100 wherever the loss mask is 0). With qat_start_fraction > 0 fake quantization starts
+   that far into the run (as torchtune's fake_quant_after_n_steps): the steps before are plain
+   full-precision SFT, identical to the baseline's, and QAT then adapts the trained weights.
 3. The PTQ baseline: a second train_stage run, identical (same seed, data order, steps) except
    without QAT, under workdir.checkpoint/baseline. Its round-to-nearest INT4 is `ptq_int4`.
    (PTQ of the QAT run's own weights would be no baseline: it IS the QAT INT4 model.)
@@ -79,6 +81,9 @@ class SFTConfig(TrainConfig):
     data: SFTDataConfig = SFTDataConfig()
     qat: QATConfig = QATConfig()
     use_qat: bool = Field(True, description="fake-quantize during training (INT4 QAT)")
+    qat_start_fraction: float = Field(0.0, ge=0, lt=1, description="fake quantization starts after this "
+                                      "share of the steps (torchtune's fake_quant_after_n_steps); the QAT "
+                                      "run and the PTQ baseline share the full-precision steps before it")
     ptq_baseline: bool = Field(True, description="also train the same run without QAT: the PTQ baseline")
     eval_gsm8k: int = Field(16, ge=0, description="held-out GSM8K questions answered by greedy generation")
     max_new_tokens: int = Field(96, ge=1, description="generation budget per GSM8K answer")
@@ -90,18 +95,29 @@ class SFTObjective(Objective):
     """The model's LM + MTP (+ balance) loss on masked labels, with INT4 fake quantization of
     the weights QATConfig selects when `qat` is given."""
 
-    def __init__(self, qat: dict[str, Any] | None = None):
+    def __init__(self, qat: dict[str, Any] | None = None, qat_start_step: int = 0):
         super().__init__()
+        if qat_start_step < 0:
+            raise ValueError(f"qat_start_step must be >= 0, got {qat_start_step}")
         self.qat = None if qat is None else QATConfig.model_validate(qat)
+        self.qat_start_step = qat_start_step
+        self._qat_on = False
 
     def prepare(self, model: torch.nn.Module) -> None:
-        if self.qat is not None:
+        self.begin_step(model, 0)
+
+    def begin_step(self, model: torch.nn.Module, step: int) -> None:
+        # Fake quantization swaps module classes and keeps the parameters, so turning it on
+        # mid-run leaves the optimizer state valid; a resumed run turns it on at its first step.
+        if self.qat is not None and not self._qat_on and step >= self.qat_start_step:
             prepare_qat(model, self.qat)
+            self._qat_on = True
 
 
-def objective_spec(qat: QATConfig | None) -> dict[str, Any]:
+def objective_spec(qat: QATConfig | None, qat_start_step: int = 0) -> dict[str, Any]:
     """The rank spec's objective: the ranks import this module to find "sft"."""
-    return {"name": "sft", "module": __name__, "qat": None if qat is None else qat.model_dump(mode="json")}
+    return {"name": "sft", "module": __name__, "qat": None if qat is None else qat.model_dump(mode="json"),
+            "qat_start_step": qat_start_step}
 
 
 # ---------------------------------------------------------------- evaluation (stage side)
@@ -251,7 +267,8 @@ def run_sft(cfg: SFTConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[s
     data_dir, data_stats = _data(cfg, tokenizer, workdir)
 
     result = train_stage("sft", cfg, model_cfg, data_dir, tok_dir, workdir, init,
-                         objective_spec(cfg.qat if cfg.use_qat else None))
+                         objective_spec(cfg.qat if cfg.use_qat else None,
+                                        int(cfg.qat_start_fraction * cfg.steps_for(cfg.seq_len))))
 
     baseline = None
     if cfg.ptq_baseline and cfg.use_qat:

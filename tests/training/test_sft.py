@@ -201,6 +201,27 @@ def test_objective_spec_names_its_module():
         build_objective({"name": "nope"})
 
 
+def test_fake_quantization_starts_at_its_step():
+    from model.config import preset
+    from model.model import GLMModel
+    from posttrain.qat import quantized_modules
+    from training.sft import SFTObjective
+
+    model = GLMModel(preset("tiny", num_layers=1, first_k_dense=1, vocab_size=64))
+    spec = objective_spec(QATConfig(group_size=16), qat_start_step=3)
+    objective = SFTObjective(**{k: v for k, v in spec.items() if k not in ("name", "module")})
+    objective.prepare(model)
+    mods = quantized_modules(model, QATConfig(group_size=16))
+    is_fake = lambda: {type(m).__name__.startswith("QAT") for m in mods.values()}
+    for step in range(3):
+        objective.begin_step(model, step)
+        assert is_fake() == {False}
+    objective.begin_step(model, 3)
+    assert is_fake() == {True}
+    objective.begin_step(model, 4)          # on once, never prepared twice
+    assert is_fake() == {True}
+
+
 def test_without_qat_the_run_is_the_ptq_baseline(sft_data, tokenizer, tmp_path):
     data_dir, _ = sft_data
     save_state(_model(), tmp_path / "w.safetensors")
