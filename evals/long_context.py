@@ -226,14 +226,19 @@ def _task(task: str, rng: random.Random, split: str) -> tuple[list[str], list[fl
     raise ValueError(f"unknown task {task!r}; choose from {TASKS}")
 
 
-def _check_args(lengths: Sequence[int], n_per_task: int, tasks: Sequence[str]) -> None:
+def check_lengths_and_tasks(lengths: Sequence[int], tasks: Sequence[str], where: str = "") -> None:
+    """`where` prefixes the field names in the error (e.g. "long_eval.")."""
     if not lengths or any(int(n) <= 0 for n in lengths):
-        raise ValueError(f"lengths must be positive token counts, got {list(lengths)}")
-    if n_per_task < 1:
-        raise ValueError(f"n_per_task must be >= 1, got {n_per_task}")
+        raise ValueError(f"{where}lengths must be positive token counts, got {list(lengths)}")
     bad = [t for t in tasks if t not in TASKS]
     if bad or not tasks:
-        raise ValueError(f"unknown tasks {bad or list(tasks)}; choose from {TASKS}")
+        raise ValueError(f"{where}tasks: unknown tasks {bad or list(tasks)}; choose from {TASKS}")
+
+
+def _check_args(lengths: Sequence[int], n_per_task: int, tasks: Sequence[str]) -> None:
+    check_lengths_and_tasks(lengths, tasks)
+    if n_per_task < 1:
+        raise ValueError(f"n_per_task must be >= 1, got {n_per_task}")
 
 
 def _generate(tokenizer, lengths, n_per_task, seed, filler_texts, tasks, split) -> list[Example]:

@@ -198,11 +198,7 @@ class RetrievalDocsConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "RetrievalDocsConfig":
-        bad = [t for t in self.tasks if t not in long_context.TASKS]
-        if bad or not self.tasks:
-            raise ValueError(f"retrieval.tasks: unknown {bad or 'empty'}; choose from {long_context.TASKS}")
-        if not self.lengths or min(self.lengths) <= 0:
-            raise ValueError(f"retrieval.lengths must be positive token counts, got {self.lengths}")
+        long_context.check_lengths_and_tasks(self.lengths, self.tasks, "retrieval.")
         return self
 
 

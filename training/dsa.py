@@ -71,11 +71,7 @@ class LongEvalConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "LongEvalConfig":
-        bad = [t for t in self.tasks if t not in long_context.TASKS]
-        if bad or not self.tasks:
-            raise ValueError(f"long_eval.tasks: unknown {bad or 'empty'}; choose from {long_context.TASKS}")
-        if not self.lengths or min(self.lengths) <= 0:
-            raise ValueError(f"long_eval.lengths must be positive token counts, got {self.lengths}")
+        long_context.check_lengths_and_tasks(self.lengths, self.tasks, "long_eval.")
         return self
 
 

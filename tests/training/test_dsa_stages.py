@@ -18,6 +18,7 @@ from model.hf import load_state, save_state
 from model.model import GLMModel
 from tests.training.conftest import MODEL_OVERRIDES, stdlib_docs
 from training import checkpoint, metrics
+from training.config import ContextConfig
 from training.dsa import (STAGES, DsaAdaptConfig, DsaDataConfig, DsaWarmupConfig, SparseAdaptation,
                           run_adapt, run_warmup)
 
@@ -159,6 +160,12 @@ def test_sparse_objective_trains_indexer_on_kl_and_trunk_on_lm():
 def test_configs_refuse_what_cannot_work():
     with pytest.raises(ValueError, match="below seq_len"):
         DsaDataConfig(seq_len=128, retrieval={"lengths": [128]})
+    with pytest.raises(ValueError, match="below seq_len"):        # context phases check it too
+        ContextConfig(seq_len=256, retrieval={"lengths": [256], "docs_per_task": 1})
+    with pytest.raises(ValueError, match=r"retrieval\.tasks: unknown tasks \['nope'\]"):
+        ContextConfig(retrieval={"tasks": ["nope"]})
+    with pytest.raises(ValueError, match=r"long_eval\.lengths must be positive"):
+        DsaAdaptConfig(long_eval={"lengths": [0]})
     with pytest.raises(ValueError, match="baselines"):
         DsaAdaptConfig(baselines=("full", "dense"))
     with pytest.raises(ValueError, match="indexer_loss_coeff"):
