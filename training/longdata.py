@@ -8,8 +8,8 @@ has at least mix.long_chars characters. Under mix.max_chars the heaviest documen
 data_processing.packing.pack then repeats each document min(weight, mix.max_repeats) times,
 shuffles and packs seq_len windows (with a held-out split, never up-sampled).
 
-`extra` documents (evals.long_context.training_documents: synthetic retrieval prompts, see
-pack_stage_data) join the mix after the max_chars cap, once each, whatever the weights: they are
+`extra` documents (synthetic retrieval documents from evals.long_context, see pack_stage_data)
+join the mix after the max_chars cap, once each, whatever the weights: they are
 what the caller asked for, not a sample of the corpus.
 
 The packed data lives in the stage's checkpoint directory with a PACKED marker written last,
@@ -94,6 +94,8 @@ def pack_stage_data(cfg: LongDataConfig, inputs: dict[str, Path], workdir: Workd
     """A long-data stage's mix + its retrieval documents, packed once into
     workdir.checkpoint/packed (persisted, so a retried stage does not pack again)."""
     data_dir = workdir.checkpoint / "packed"
+    if (data_dir / MARKER).exists():        # a retry: skip generating the documents again
+        return data_dir, json.loads((data_dir / MARKER).read_text())
     r = cfg.retrieval
     extra = long_context.key_value_documents(r.key_value_docs, r.seed)
     if r.docs_per_task:
