@@ -63,12 +63,11 @@ is ~20% of DSA's time at 32K.
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from memory import peak_rss_mb, rss_mb  # bench/memory.py (the script's directory is on sys.path)
+from memory import peak_rss_mb, rss_mb, run_one_in_subprocess  # bench/memory.py (the script's directory is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -142,14 +141,6 @@ def measure(method: str, length: int, args) -> dict:
     return {"method": method, "length": length, **best, "peak_extra_mb": peak_rss_mb() - base}
 
 
-def run_in_subprocess(method: str, length: int, argv: list[str]) -> dict:
-    cmd = [sys.executable, __file__, "--one", method, "--lengths", str(length), *argv]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"{method} at {length} failed:\n{proc.stderr}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
@@ -205,7 +196,7 @@ def main() -> None:
         runs = {"dense": [], "dsa": []}
         for _ in range(args.rounds):                           # interleaved: same conditions
             for method in ("dense", "dsa"):
-                runs[method].append(run_in_subprocess(method, length, passthrough))
+                runs[method].append(run_one_in_subprocess(__file__, method, length, passthrough))
         dn, ds = (min(runs[m], key=lambda r: r["seconds"]) for m in ("dense", "dsa"))
         print(f"{length:>7} {dn['seconds']:>8.2f} {ds['seconds']:>8.2f} {ds['indexer_s']:>7.2f} "
               f"{ds['sparse_attn_s']:>7.2f} {dn['seconds'] / ds['seconds']:>7.2f}x "

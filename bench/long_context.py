@@ -18,12 +18,11 @@ after the model and inputs exist: "extra memory the pass needs".
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from memory import peak_rss_mb, rss_mb  # bench/memory.py (the script's directory is on sys.path)
+from memory import peak_rss_mb, rss_mb, run_one_in_subprocess  # bench/memory.py (the script's directory is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,14 +59,6 @@ def measure(mode: str, length: int, args) -> dict:
             "peak_extra_mb": peak_rss_mb() - base}
 
 
-def run_in_subprocess(mode: str, length: int, argv: list[str]) -> dict:
-    cmd = [sys.executable, __file__, "--one", mode, "--lengths", str(length), *argv]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"{mode} at {length} failed:\n{proc.stderr}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
@@ -96,8 +87,8 @@ def main() -> None:
     print(f"{'length':>7} {'dense fwd':>10} {'DSA fwd':>8} {'fwd x':>6} {'dense train':>12} {'DSA train':>10} "
           f"{'train x':>8} {'dense MB':>9} {'DSA MB':>8} {'DSA/dense mem':>14}")
     for length in args.lengths:
-        dn = run_in_subprocess("dense", length, passthrough)
-        ds = run_in_subprocess("dsa", length, passthrough)
+        dn = run_one_in_subprocess(__file__, "dense", length, passthrough)
+        ds = run_one_in_subprocess(__file__, "dsa", length, passthrough)
         print(f"{length:>7} {dn['forward_s']:>10.2f} {ds['forward_s']:>8.2f} "
               f"{dn['forward_s'] / ds['forward_s']:>5.2f}x {dn['train_s']:>12.2f} {ds['train_s']:>10.2f} "
               f"{dn['train_s'] / ds['train_s']:>7.2f}x {dn['peak_extra_mb']:>9.0f} {ds['peak_extra_mb']:>8.0f} "
