@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_processing.common import expand_path
 from data_processing.packing import pack_samples
@@ -63,6 +63,8 @@ SEARCH_DOCS = {"type": "function", "function": {
                                           "its dotted name (module.function) or bare function name.",
     "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}
 KINDS = ("reasoning", "tool_calc", "tool_docs", "code")
+# a file name with "test" as a word: test.jsonl, gsm8k-test.jsonl, test_sample.jsonl (not latest.jsonl)
+_TEST_SPLIT = re.compile(r"(?<![a-z])test(?![a-z])")
 
 
 class SFTDataConfig(BaseModel):
@@ -80,6 +82,15 @@ class SFTDataConfig(BaseModel):
     max_code_chars: int = Field(700, ge=50, description="code tasks use functions up to this source length")
     max_calls: int = Field(4, ge=1, description="tool_calc samples have at most this many calculator calls")
     seed: int = 0
+
+    @field_validator("gsm8k_path")
+    @classmethod
+    def _not_test_split(cls, v: str) -> str:
+        # GSM8K's test split is for evaluation and decontamination only: SFT trains on this file
+        if _TEST_SPLIT.search(Path(v).name.lower()):
+            raise ValueError(f"gsm8k_path {v!r} names a test split; SFT trains on this file, "
+                             "so point it at GSM8K train.jsonl (test.jsonl is for evaluation only)")
+        return v
 
 
 @dataclass(frozen=True)
