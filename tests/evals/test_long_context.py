@@ -163,14 +163,44 @@ def test_scorer_passes_right_and_fails_wrong_answers(tokenizer, suite):
     assert all(got[t][256] == pytest.approx(1 / 3) for t in TASKS)
 
 
+class Steered(torch.nn.Module):
+    """A real model whose greedy continuation of the prompts in `replies` is forced to spell the
+    reply and then <|endoftext|> (a +1e4 logit on the scripted token, through the real forward
+    and cache); other prompts get the real model's own continuation."""
+
+    def __init__(self, model, tokenizer, replies: dict[str, str]):
+        super().__init__()
+        self.model, self.tok, self.replies, self.queue = model, tokenizer, replies, []
+
+    def new_cache(self):
+        return self.model.new_cache()
+
+    def forward(self, ids, attention_mask=None, cache=None):
+        out = self.model(ids, attention_mask=attention_mask, cache=cache)
+        if ids.shape[1] > 1:
+            reply = self.replies.get(self.tok.decode(ids[0].tolist(), skip_special_tokens=False))
+            self.queue = [] if reply is None else self.tok.encode(reply).ids + [self.tok.token_to_id(EOS)]
+        if self.queue:
+            out.logits[0, -1, self.queue.pop(0)] += 1e4
+        return out
+
+
 def test_evaluate_runs_a_real_model(tokenizer, suite):
     torch.manual_seed(0)
     cfg = preset("tiny").replace(vocab_size=tokenizer.get_vocab_size(), num_layers=2, mtp_depth=0, index_topk=32)
     model = GLMModel(cfg).eval()
-    examples = [ex for ex in suite if ex.length == 256][::3]
-    res = evaluate(model, tokenizer, examples, max_new_tokens=3)
-    assert set(res) == set(TASKS) | {"overall"}
-    assert all(0.0 <= acc <= 1.0 for per in res.values() for acc in per.values())
+    by_task = {t: [ex for ex in suite if ex.length == 256 and ex.task == t][:2] for t in TASKS}
+    examples = [ex for t in TASKS for ex in by_task[t]]
+    # steered right: both single_key examples, the first multi_key and multi_value ones (the
+    # 3-value answer needs the default budget, answer tokens + 2); the rest is the random-init
+X
+    steer = by_task["single_key"] + by_task["multi_key"][:1] + by_task["multi_value"][:1]
+    replies = {ex.prompt: " " + ex.answer for ex in steer}
+    res = evaluate(Steered(model, tokenizer, replies), tokenizer, examples)
+    assert res == {"single_key": {256: 1.0}, "multi_key": {256: 0.5}, "multi_value": {256: 0.5},
+                   "variable_tracking": {256: 0.0}, "overall": {256: 0.5}}
+    # and without steering the same real model answers none
+    assert evaluate(model, tokenizer, examples, max_new_tokens=3)["overall"] == {256: 0.0}
 
 
 def test_baseline_configs_are_like_for_like():
