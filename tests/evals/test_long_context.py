@@ -193,7 +193,7 @@ def test_evaluate_runs_a_real_model(tokenizer, suite):
     examples = [ex for t in TASKS for ex in by_task[t]]
     # steered right: both single_key examples, the first multi_key and multi_value ones (the
     # 3-value answer needs the default budget, answer tokens + 2); the rest is the random-init
-X
+    # model's own greedy output (seeded: never the answer)
     steer = by_task["single_key"] + by_task["multi_key"][:1] + by_task["multi_value"][:1]
     replies = {ex.prompt: " " + ex.answer for ex in steer}
     res = evaluate(Steered(model, tokenizer, replies), tokenizer, examples)
