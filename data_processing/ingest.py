@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_processing.common import expand_placeholders
-from data_processing.document import Document, ShardWriter, shard_paths
+from data_processing.document import Document, ShardWriter, read_shard, shard_paths
 from glmforge.stage import StageSpec, Workdir
 
 STAGE_VERSION = "1"
@@ -44,7 +44,13 @@ class SourceConfig(BaseModel):
     text_template: str | None = Field(
         default=None, description='build text from several fields, e.g. "{title}\\n\\n{body}" (null fields become "")'
     )
-    id_field: str | None = None
+    id_field: str | None = Field(default=None, description="the document id is `<name>/<value>`; records without it are quarantined")
+    keep_ids: bool = Field(
+        default=False,
+        description="use each record's id (id_field, else `id`) as the document id unchanged; records without one "
+        "get <name>/<file>#L<line>; a repeated id stops the run naming both places",
+        exclude_if=lambda v: not v,  # left out of the dump when off, so existing stage keys stay the same
+    )
     include: str = "*"  # filename pattern for folders, e.g. "*.py"
     max_documents: int | None = Field(default=None, gt=0)
     max_file_bytes: int = Field(default=1_000_000, gt=0, description="text files above this go to quarantine")
@@ -275,16 +281,22 @@ def to_document(src: SourceConfig, rec: Raw, root: str) -> Document | str:
     if not text:
         return f"empty_text: field {src.text_field!r} is empty after normalization"
     rel = os.path.relpath(rec.file, root) if not rec.file.startswith("s3://") else rec.file[len(root):].lstrip("/")
-    if src.id_field is not None:
-        if fields.get(src.id_field) is None:
+    id_key = src.id_field or ("id" if src.keep_ids else None)
+    own_id = fields.get(id_key) if id_key is not None else None
+    if src.keep_ids and own_id is not None:
+        if isinstance(own_id, bool) or not isinstance(own_id, (str, int)) or own_id == "":
+            return f"bad_id: field {id_key!r} is {own_id!r}, not a non-empty string or integer"
+        doc_id = str(own_id)
+    elif src.id_field is not None and not src.keep_ids:
+        if own_id is None:
             return f"missing_id: missing id field {src.id_field!r}"
-        doc_id = f"{src.name}/{fields[src.id_field]}"
+        doc_id = f"{src.name}/{own_id}"
     else:
         doc_id = f"{src.name}/{rel}" + (f"#L{rec.line}" if rec.line is not None else "")
     meta = {"file": rel, **({"line": rec.line} if rec.line is not None else {})}
     if src.repo is not None:
         meta.update(repo=src.repo, path=rel)
-    extra = {k: v for k, v in fields.items() if k != src.id_field}
+    extra = {k: v for k, v in fields.items() if k != id_key}
     if extra:
         meta["fields"] = json.loads(json.dumps(extra, default=str))
     return Document(id=doc_id, text=text, source=src.name, metadata=meta)
@@ -338,6 +350,14 @@ def _save_cursor(path: Path, c: Cursor) -> None:
     os.replace(tmp, path)
 
 
+def _seen_ids(shards_dir: Path) -> dict[str, str]:
+    seen: dict[str, str] = {}
+    for p in shard_paths(shards_dir):
+        for d in read_shard(p):
+            seen.setdefault(d.id, d.metadata.get("file", "?") + (f":{d.metadata['line']}" if "line" in d.metadata else ""))
+    return seen
+
+
 def run(cfg: IngestConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
     for src in cfg.sources:  # a missing input fails before any work
         _list_files(src)
@@ -356,6 +376,8 @@ def run(cfg: IngestConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[st
     with open(qpath, "ab") as f:
         f.truncate(c.quarantine_bytes)
 
+    # keep_ids: id -> where it was first seen, rebuilt from the kept shards on resume
+    seen = _seen_ids(shards_dir) if any(s.keep_ids for s in cfg.sources) else None
     writer = ShardWriter(shards_dir, cfg.shard_size, start_index=c.shard)
     pending = {"documents": 0, "bytes": 0, "reasons": Counter(), "sources": Counter()}
     qfile = open(qpath, "a", encoding="utf-8")
@@ -394,6 +416,12 @@ def run(cfg: IngestConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[st
                     qfile.write(json.dumps(quarantine_record(src, rec, result), ensure_ascii=False) + "\n")
                     pending["reasons"][result.split(":")[0]] += 1
                 else:
+                    if seen is not None:
+                        here = rec.file + (f":{rec.line}" if rec.line is not None else "")
+                        if result.id in seen:
+                            raise ValueError(f"ingest source {src.name!r}: duplicate id {result.id!r} at {here}, "
+                                             f"first seen at {seen[result.id]}; ids must be unique within the input")
+                        seen[result.id] = here
                     taken += 1
                     pending["documents"] += 1
                     pending["bytes"] += len(result.text.encode())

@@ -7,6 +7,10 @@ does in the pipeline, and its output is written to PATH:
   reports, models);
 - a `.jsonl` or `.parquet` file receives the kept documents, and the step's other files go to
   a sibling directory `<name>.files/`, so nothing the step produced is lost.
+
+Document ids: a record's own `id` (a non-empty string or an integer) is its id in the output;
+a record without one gets `<input name>/<file>#L<line>`. Two records with the same id stop the
+run with an error naming both files and lines; other fields go to `metadata.fields`.
 """
 from __future__ import annotations
 
@@ -57,7 +61,8 @@ def step_config(spec: StageSpec, preset: str, overrides: list[str], input_path: 
 def documents_from(input_path: str, work: Path, text_field: str = "text", text_template: str | None = None) -> tuple[Path, dict[str, Any]]:
     """Read any supported input into document shards; returns (shard dir, ingest metrics)."""
     name = Path(input_path.rstrip("/")).stem.replace(".", "-") or "input"
-    source = ingest.SourceConfig(name=name, path=input_path, text_field=text_field, text_template=text_template)
+    source = ingest.SourceConfig(name=name, path=input_path, text_field=text_field, text_template=text_template,
+                                 keep_ids=True)
     cfg = ingest.IngestConfig(sources=[source], shard_size=5000)
     wd = Workdir.at(work / "ingest")
     metrics = ingest.run(cfg, {}, wd)

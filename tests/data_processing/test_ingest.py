@@ -124,3 +124,47 @@ def test_repo_sources_record_repo_and_path(tmp_path):
     (tmp_path / "pkg" / "mod.py").write_text("x = 1\n")
     _, docs, _ = _run(_cfg(path=str(tmp_path), include="*.py", repo="acme/widgets"), tmp_path / "w")
     assert docs[0].metadata["repo"] == "acme/widgets" and docs[0].metadata["path"] == "pkg/mod.py"
+
+
+def test_keep_ids(tmp_path):
+    f = tmp_path / "in.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in [
+        {"id": "doc-a", "text": "first", "lang": "en"},
+        {"text": "no id here"},
+        {"id": 7, "text": "integer id"},
+        {"id": {"x": 1}, "text": "object id"},  # 4: quarantined, not silently renamed
+        {"id": "", "text": "empty id"},  # 5
+    ]) + "\n")
+    m, docs, q = _run(_cfg(path=str(f), keep_ids=True), tmp_path)
+    assert [d.id for d in docs] == ["doc-a", "t/in.jsonl#L2", "7"]
+    assert docs[0].metadata["fields"] == {"lang": "en"}  # the id is not repeated in metadata
+    assert [(r["line"], r["reason"].split(":")[0]) for r in q] == [(4, "bad_id"), (5, "bad_id")]
+
+
+def test_keep_ids_duplicate_names_both_lines(tmp_path):
+    f = tmp_path / "in.jsonl"
+    f.write_text('{"id": "a", "text": "x"}\n{"id": "b", "text": "y"}\n{"id": "a", "text": "z"}\n')
+    with pytest.raises(ValueError, match=r"duplicate id 'a' at .*in\.jsonl:3, first seen at .*in\.jsonl:1"):
+        _run(_cfg(path=str(f), keep_ids=True), tmp_path)
+
+
+def test_keep_ids_duplicate_across_a_resume(tmp_path):
+    """The seen ids survive a resume: they are rebuilt from the shards the killed run kept."""
+    f = tmp_path / "in.jsonl"
+    f.write_text("".join(json.dumps({"id": f"d{i}", "text": f"t{i}"}) + "\n" for i in range(4)))
+    wd = Workdir.at(tmp_path / "wd")
+    run(_cfg(path=str(f), keep_ids=True), {}, wd)  # 2 shards of 2; the cursor now says done
+    cursor = wd.checkpoint / "cursor.json"
+    c = json.loads(cursor.read_text())
+    c.update(source=0, file=0, consumed=2, shard=1)  # as if killed after the first shard
+    cursor.write_text(json.dumps(c))
+    with open(f, "a") as fh:  # lines 3-4 get re-read; line 5 repeats an id from shard 0
+        fh.write(json.dumps({"id": "d0", "text": "again"}) + "\n")
+    with pytest.raises(ValueError, match=r"duplicate id 'd0' at .*in\.jsonl:5, first seen at in\.jsonl:1"):
+        run(_cfg(path=str(f), keep_ids=True), {}, wd)
+
+
+def test_keep_ids_off_leaves_the_config_dump_unchanged():
+    # the stage key hashes the dump: configs that do not use keep_ids keep their keys
+    assert "keep_ids" not in _cfg(path="x").model_dump(mode="json")["sources"][0]
+    assert _cfg(path="x", keep_ids=True).model_dump(mode="json")["sources"][0]["keep_ids"] is True

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import time
 
+from data_processing.common import SAMPLES_DIR
 from data_processing.document import Document, read_documents
 from data_processing.packing import PackedDataset
 from data_processing.stages import STAGES, STEPS, tiny_defaults
@@ -32,6 +33,8 @@ def test_registry_order_and_parents():
 def test_tiny_chain_end_to_end(tmp_path):
     docs = stdlib_docs(80) + [Document(f"gsm8k-{i:04d}", r["question"] + "\n" + r["answer"], "gsm8k") for i, r in enumerate(gsm8k_records(400))]
     docs.append(Document("copy", docs[5].text, "stdlib"))  # an exact duplicate
+    test_q = json.loads((SAMPLES_DIR / "gsm8k" / "test.jsonl").read_text().splitlines()[5])
+    docs.append(Document("gsm8k-test-5", test_q["question"] + "\n" + test_q["answer"], "web"))  # an eval leak
     dirs = {"ingest": write_docs(tmp_path / "ingest", docs, shard_size=200)}
     cfgs = tiny_defaults()
     cfgs["tokenize"] = cfgs["tokenize"].model_copy(update={"vocab_size": 2048})
@@ -43,10 +46,11 @@ def test_tiny_chain_end_to_end(tmp_path):
         json.dumps(metrics[s.name])  # JSON-able
         dirs[s.name] = wd.out
     assert metrics["dedup-exact"]["removed"] == 1
-    # GSM8K lines 0-199 are the tiny preset's stand-in eval set: all 200 are removed
-    assert metrics["decontaminate"]["hits"]["gsm8k"] == 200
+    # GSM8K train lines 0-199 are SFT's held-out set: all 200 are removed; the test-split leak too
+    assert metrics["decontaminate"]["hits"]["gsm8k_sft_heldout"] == 200
+    assert metrics["decontaminate"]["hits"]["gsm8k"] == 1
     kept_ids = {d.id for d in read_documents(dirs["decontaminate"])}
-    assert "gsm8k-0199" not in kept_ids and "gsm8k-0300" in kept_ids
+    assert "gsm8k-0199" not in kept_ids and "gsm8k-test-5" not in kept_ids and "gsm8k-0300" in kept_ids
     assert any(i.startswith("huggingface__datasets-") for i in kept_ids)  # issue-pr joined
     ds = PackedDataset(dirs["pack"])
     assert len(ds) == metrics["pack"]["train_sequences"] > 0

@@ -1,0 +1,66 @@
+"""`glmforge curate` as a user types it (typer's CliRunner on the real app): ids and metadata."""
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+from typer.testing import CliRunner
+
+from data_processing.common import SAMPLES_DIR
+from glmforge.cli import app
+
+runner = CliRunner()
+
+
+def _gsm8k_records(n: int) -> list[dict]:
+    lines = (SAMPLES_DIR / "gsm8k" / "train.jsonl").read_text().splitlines()[:n]
+    return [json.loads(l) for l in lines]
+
+
+def _curate(*args: str):
+    return runner.invoke(app, ["curate", *args])
+
+
+def test_user_ids_survive_to_the_output(tmp_path):
+    recs = _gsm8k_records(4)
+    rows = [{"id": "q-alpha", "text": recs[0]["question"], "grade": 3},
+            {"text": recs[1]["question"]},  # no id: file#line
+            {"id": 42, "text": recs[2]["question"]},
+            {"id": "q-dup-text", "text": recs[0]["question"]}]  # removed by dedup-exact
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "kept.jsonl"
+    r = _curate("dedup-exact", "--input", str(src), "--output", str(out))
+    assert r.exit_code == 0, r.output
+    kept = [json.loads(l) for l in out.read_text().splitlines()]
+    assert [k["id"] for k in kept] == ["q-alpha", "docs/docs.jsonl#L2", "42"]
+    assert kept[0]["metadata"]["fields"] == {"grade": 3}
+    # the removed duplicate keeps its own id too
+    removed = pq.read_table(tmp_path / "kept.jsonl.files" / "removed" / "part-00000.parquet").to_pylist()
+    assert [d["id"] for d in removed] == ["q-dup-text"]
+
+
+def test_duplicate_user_id_is_a_clear_error(tmp_path):
+    src = tmp_path / "docs.jsonl"
+    src.write_text('{"id": "a", "text": "one"}\n{"id": "b", "text": "two"}\n{"id": "a", "text": "three"}\n')
+    r = _curate("dedup-exact", "--input", str(src), "--output", str(tmp_path / "kept.jsonl"))
+    assert r.exit_code == 2
+    assert "duplicate id 'a'" in r.output and "docs.jsonl:3" in r.output and "docs.jsonl:1" in r.output
+    assert not (tmp_path / "kept.jsonl").exists()
+
+
+def test_issue_pr_metadata_is_a_json_object(tmp_path):
+    issues = str(SAMPLES_DIR / "github_issues" / "hf_datasets_issues_5634-6249.jsonl")
+    for name in ("kept.jsonl", "kept.parquet"):
+        r = _curate("issue-pr", "--input", issues, "--output", str(tmp_path / name))
+        assert r.exit_code == 0, r.output
+    rows = [json.loads(l) for l in (tmp_path / "kept.jsonl").read_text().splitlines()]
+    assert len(rows) > 10
+    for row in rows:  # JSONL: an object in place; parse it back from its own JSON text too
+        assert isinstance(row["metadata"], dict)
+        assert json.loads(json.dumps(row["metadata"])) == {"instance_id": row["metadata"]["instance_id"], "repo": "huggingface/datasets"}
+        assert row["id"].startswith(row["metadata"]["instance_id"] + "-issue")
+    table = pq.read_table(tmp_path / "kept.parquet").to_pylist()
+    assert [t["id"] for t in table] == [r["id"] for r in rows]
+    for t, row in zip(table, rows):  # Parquet: the shard schema's metadata column is JSON text
+        assert json.loads(t["metadata"]) == row["metadata"]
