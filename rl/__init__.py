@@ -1,0 +1,1 @@
+"""The RL library: one Sample type through rollout, reward and loss."""
