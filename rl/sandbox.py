@@ -25,6 +25,7 @@ namespaces and reports the target's exit status over a pipe, so a setup failure 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import secrets
 import selectors
@@ -35,7 +36,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
