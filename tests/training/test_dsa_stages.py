@@ -4,23 +4,28 @@ the adaptation attends to the top-k keys, resumes from a checkpoint, and publish
 full / dsa / swa comparison table."""
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from tokenizers import Tokenizer
 
 from data_processing.document import ShardWriter
+from data_processing.tokenizer import EOS, TOKENIZER_FILE
+from evals import long_context
 from glmforge.stage import Workdir
 from model.config import preset
 from model.hf import load_state, save_state
 from model.model import GLMModel
 from tests.training.conftest import MODEL_OVERRIDES, stdlib_docs
-from training import checkpoint, metrics
+from training import checkpoint, dsa, metrics
 from training.config import ContextConfig
-from training.dsa import (STAGES, DsaAdaptConfig, DsaDataConfig, DsaWarmupConfig, SparseAdaptation,
-                          run_adapt, run_warmup)
+from training.dsa import (STAGES, DsaAdaptConfig, DsaDataConfig, DsaWarmupConfig, LongEvalConfig,
+                          SparseAdaptation, run_adapt, run_warmup)
 
 SEQ, EVAL_LEN = 128, 96          # index_topk is 32: every evaluated row is genuinely sparse
 COMMON = dict(seq_len=SEQ, micro_batch_size=2, checkpoint_every=2, eval_sequences=4, val_fraction=0.1,
@@ -107,10 +112,17 @@ def test_adapt_attends_to_the_indexers_topk(adapt):
 
 
 def test_adapt_publishes_the_comparison(adapt):
-    wd, _, result = adapt
+    wd, inputs, result = adapt
     acc = result["long_context_accuracy"]
     assert set(acc) == {"full", "dsa", "swa"}
-    assert all(set(by_len) == {EVAL_LEN} and 0.0 <= by_len[EVAL_LEN] <= 1.0 for by_len in acc.values())
+    # the published numbers are the scores of the published weights on the configured suite
+    tok = Tokenizer.from_file(str(inputs["tokenize"] / TOKENIZER_FILE))
+    suite = long_context.generate_suite(tok, [EVAL_LEN], 1, 0, long_context.default_filler_texts(), ["single_key"])
+    for name, out in {"dsa": wd.out, "full": wd.out / "full", "swa": wd.out / "swa"}.items():
+        got = long_context.evaluate(load_state(out / "consolidated.safetensors").eval(), tok, suite)
+        assert acc[name] == {EVAL_LEN: got["overall"][EVAL_LEN]} == result["long_context_by_task"][name]["overall"]
+    assert json.loads((wd.out / "long_context.json").read_text())["accuracy"] == {
+        name: {str(EVAL_LEN): by_len[EVAL_LEN]} for name, by_len in acc.items()}
     # same base, data and budget for all three
     assert result["baselines"]["full"]["tokens"] == result["baselines"]["swa"]["tokens"] == result["tokens"]
     assert result["warmup_recall_after"] > result["warmup_recall_before"]
@@ -173,3 +185,45 @@ def test_configs_refuse_what_cannot_work():
     assert [(s.name, s.section, s.parents) for s in STAGES] == [
         ("dsa-warmup", "dsa_warmup", ("context-3", "decontaminate", "tokenize")),
         ("dsa-adapt", "dsa_adapt", ("dsa-warmup", "decontaminate", "tokenize"))]
+
+
+class Scripted(torch.nn.Module):
+    """A stand-in for a loaded checkpoint in long_context_table: greedy decoding of a prompt in
+    `right` spells its answer, any other prompt gets " 0", then <|endoftext|>."""
+
+    def __init__(self, tok, right: dict[str, str], max_position_embeddings: int = 512):
+        super().__init__()
+        self.tok, self.right, self.queue = tok, right, []
+        self.config = SimpleNamespace(max_position_embeddings=max_position_embeddings)
+
+    def new_cache(self):
+        return None
+
+    def forward(self, ids, attention_mask=None, cache=None):
+        if ids.shape[1] > 1:
+            prompt = self.tok.decode(ids[0].tolist(), skip_special_tokens=False)
+            self.queue = self.tok.encode(" " + self.right.get(prompt, "0")).ids + [self.tok.token_to_id(EOS)]
+        logits = torch.zeros(1, ids.shape[1], self.tok.get_vocab_size())
+        logits[0, -1, self.queue.pop(0)] = 1.0
+        return SimpleNamespace(logits=logits)
+
+
+def test_long_context_table_scores_each_model_on_one_suite(packed, monkeypatch):
+    L = 256                      # multi_key's four needles need more than EVAL_LEN
+    cfg = LongEvalConfig(lengths=(L,), n_per_task=2, tasks=("single_key", "multi_key"), seed=5)
+    tok = Tokenizer.from_file(str(packed["tokenize"] / TOKENIZER_FILE))
+    filler = [long_context.default_filler_texts()[0][:30_000]]     # a shorter haystack corpus: faster
+    monkeypatch.setattr(long_context, "default_filler_texts", lambda: filler)
+    suite = long_context.generate_suite(tok, cfg.lengths, 2, 5, filler, cfg.tasks)
+    single = [ex for ex in suite if ex.task == "single_key"]
+    multi = [ex for ex in suite if ex.task == "multi_key"]
+    # full: all 4 right; dsa: 1 of 2 single_key, both multi_key; swa: none
+    right = {"full": suite, "dsa": single[:1] + multi, "swa": []}
+    models = {name: Scripted(tok, {ex.prompt: ex.answer for ex in exs}) for name, exs in right.items()}
+    monkeypatch.setattr(dsa, "load_state", lambda path: models[Path(path).name])
+    table, detail = dsa.long_context_table({name: Path(name) for name in right}, packed["tokenize"], cfg)
+    assert table == {"full": {L: 1.0}, "dsa": {L: 0.75}, "swa": {L: 0.0}}
+    assert detail["dsa"] == {"single_key": {L: 0.5}, "multi_key": {L: 1.0}, "overall": {L: 0.75}}
+    models["swa"] = Scripted(tok, {}, max_position_embeddings=L - 1)
+    with pytest.raises(ValueError, match=rf"long_eval\.lengths \[{L}\] exceed max_position_embeddings={L - 1}"):
+        dsa.long_context_table({"swa": Path("swa")}, packed["tokenize"], cfg)
