@@ -59,6 +59,10 @@ is ~20% of DSA's time at 32K.
     python bench/attention.py                        # 2K .. 16K
     python bench/attention.py --lengths 1024 2048    # quick
     python bench/attention.py --lengths 2048 4096 8192 16384 32768
+    python bench/attention.py --device cuda --lengths 8192 32768   # GPU: time and peak CUDA memory
+
+With --device cuda the passes are timed after torch.cuda.synchronize() and memory is the peak of
+torch.cuda.max_memory_allocated() above what the inputs hold (bench/gpu_check.py runs this).
 """
 
 import argparse
@@ -83,6 +87,9 @@ def measure(method: str, length: int, args) -> dict:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    torch.set_default_device(dev)                               # the inputs below live on dev
     B, T, HI, DI = args.batch, length, args.index_heads, args.index_dim
     mqa = args.form == "mqa"
     H = args.heads if mqa else args.mha_heads
@@ -119,6 +126,8 @@ def measure(method: str, length: int, args) -> dict:
         with torch.no_grad():
             idx = indexer_topk(q_i, k_i, w_i, args.topk, chunk=args.index_chunk,
                                index_dtype=torch.int32)
+        if cuda:
+            torch.cuda.synchronize()                            # split indexer / attention time
         t1 = time.perf_counter()
         if mqa:
             out = sparse_attention_mqa(q, kv, idx, scale, C, chunk=args.attn_chunk)
@@ -128,17 +137,26 @@ def measure(method: str, length: int, args) -> dict:
         return {"indexer_s": t1 - t0, "sparse_attn_s": time.perf_counter() - t1}
 
     fn = {"dense": dense, "dsa": dsa}[method]
-    base = rss_mb()
+    if cuda:                                                    # kernels are asynchronous
+        sync = torch.cuda.synchronize
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated() / 2**20
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        sync = lambda: None                                     # noqa: E731
+        base = rss_mb()
     best = None
     for _ in range(args.repeats):
         for t in ([q, kv] if method == "dsa" and mqa else [q, k, v]):
             t.grad = None
         t0 = time.perf_counter()
         parts = fn()
+        sync()
         seconds = time.perf_counter() - t0
         if best is None or seconds < best["seconds"]:
             best = {"seconds": seconds, **parts}
-    return {"method": method, "length": length, **best, "peak_extra_mb": peak_rss_mb() - base}
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else peak_rss_mb()
+    return {"method": method, "length": length, **best, "peak_extra_mb": peak - base}
 
 
 def main() -> None:
@@ -164,6 +182,7 @@ def main() -> None:
     p.add_argument("--attn-chunk", type=int, default=None, help="sparse-attention queries per step")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads; 1 is steadier on a shared machine")
+    p.add_argument("--device", default="cpu", help="torch device of the inputs (cpu, cuda)")
     p.add_argument("--one", choices=["dense", "dsa"], help=argparse.SUPPRESS)
     args = p.parse_args()
 

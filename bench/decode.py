@@ -45,10 +45,12 @@ def train(model: GLMModel, data: torch.Tensor, seconds: float, seq_len: int, bat
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     model.train()
+    device = next(model.parameters()).device
     losses, t0, step = [], time.time(), 0
     while time.time() - t0 < seconds:
         starts = torch.randint(0, len(data) - seq_len - 1, (batch,), generator=g)
-        x = torch.stack([data[s:s + seq_len + 1] for s in starts.tolist()])
+        # batches are cut on CPU (same generator, same data on any device), then moved
+        x = torch.stack([data[s:s + seq_len + 1] for s in starts.tolist()]).to(device)
         warm = min(1.0, (step + 1) / 20)
         for group in opt.param_groups:
             group["lr"] = lr * warm
