@@ -20,9 +20,9 @@ Outputs under --out (default $OUT, else ./gpu_check_out): report.json, report.md
 kernel_tests.xml and gpu_check.log (every section's output). Default timeouts add up to under
 8 minutes (--budget caps the total); --timeout NAME=SECONDS changes one.
 
-Model for decoding and training: no preset is sized for this, so it is preset `tiny` widened by
-overrides (hidden 256, 4 layers, byte vocab 256, see MODEL_OVERRIDES); --model-preset small
-takes the `small` preset (~100M-class, 12 layers, slower) with the byte vocab instead.
+Model for decoding and training: preset `tiny` widened by overrides (hidden 256, 4 layers, byte
+vocab 256; see MODEL_OVERRIDES), sized for these timeouts; --model-preset small takes the
+`small` preset (~100M-class, 12 layers, 32 experts; slower) with the byte vocab instead.
 
 Installing: if the installed torch has no CUDA (torch.version.cuda is None) the environment
 section prints `python -m pip install --force-reinstall torch==<the same version>` (the default
@@ -76,6 +76,9 @@ LENGTHS = [8192, 32768, 65536, 131072]
 QUICK_LENGTHS = [256, 512]
 # `tiny` widened towards a small model; the byte vocab (256) matches bench/decode.py's data
 MODEL_OVERRIDES = {"tiny": dict(hidden_size=256, num_layers=4), "small": {}}
+# the section timeouts (SECTIONS) add up to 465 s; the budget keeps one run under 8 minutes
+BUDGET_S = 460
+INSTALL_TIMEOUT_S = 900
 # bf16 vs fp32 parity: the first loss comes from the same weights and batch (only the precision
 # differs); the last-10 mean after 50 steps of diverging trajectories gets a looser bound
 FIRST_LOSS_RTOL = 0.01
@@ -743,7 +746,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run only these sections (default: all)")
     p.add_argument("--timeout", action="append", default=[], metavar="NAME=SECONDS",
                    help="a section's timeout (repeatable)")
-    p.add_argument("--budget", type=float, default=460, help="seconds for all sections together")
+    p.add_argument("--budget", type=float, default=None,
+                   help=f"seconds for all sections together (default {BUDGET_S}; with --install "
+                   f"{INSTALL_TIMEOUT_S - 30} more, for the downloads)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu runs the GPU sections on CPU (with --quick: a try of this script)")
     p.add_argument("--quick", action="store_true", help="toy sizes everywhere")
@@ -768,6 +773,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.timeouts[name] = float(value)
         except ValueError:
             p.error(f"--timeout {item!r}: SECONDS must be a number, got {value!r}")
+    if args.install and "environment" not in args.timeouts:
+        args.timeouts["environment"] = INSTALL_TIMEOUT_S           # a CUDA torch is GBs to fetch
+    if args.budget is None:
+        args.budget = BUDGET_S + (INSTALL_TIMEOUT_S - 30 if args.install else 0)
     if args.budget <= 0:
         p.error(f"--budget must be positive, got {args.budget}")
     # what a section's child process is started with (the parent's own choices, minus --out)

@@ -34,6 +34,11 @@ def test_arguments(gc, monkeypatch, tmp_path, capsys):
     assert args.timeouts == {"attention": 12.5} and args.sections == ["attention"]
     # a section's child gets the parent's choices, but its own --out / --result
     assert args.argv == ["--timeout", "attention=12.5", "--sections", "attention", "--quick"]
+    assert args.budget == gc.BUDGET_S
+    installing = gc.parse_args(["--install"])       # time for the downloads
+    assert installing.timeouts["environment"] == gc.INSTALL_TIMEOUT_S
+    assert installing.budget == gc.BUDGET_S + gc.INSTALL_TIMEOUT_S - 30
+    assert sum(s.timeout_s for s in gc.SECTIONS) <= 8 * 60  # one device command, under 8 minutes
     with pytest.raises(SystemExit):
         gc.parse_args(["--timeout", "atention=5"])
     assert "unknown section 'atention'" in capsys.readouterr().err
