@@ -4,11 +4,14 @@ short QAT stage run that checkpoints, resumes and reports the INT4 comparison.""
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from data_processing.packing import PackedDataset
 from data_processing.tokenizer import TOKENIZER_FILE, load_tokenizer
@@ -20,12 +23,12 @@ from posttrain.chat_template import THINKING_MODES, parse_assistant
 from posttrain.qat import QATConfig, _is_qat
 from tests.training.conftest import MODEL_OVERRIDES
 from training import checkpoint, metrics
-from training.data import IGNORE, collate, doc_ids_from_starts
+from training.data import IGNORE, collate, doc_ids_from_starts, eval_batches
 from training.objectives import build_objective
-from training.sft import (BASE, MODELS, RECOVERY_TARGET, SFTConfig, evaluate_quantization, objective_spec, recovery,
-                          run_sft, summarize)
+from training.sft import (BASE, MODELS, RECOVERY_TARGET, SFTConfig, evaluate_quantization, gsm8k_accuracy,
+                          objective_spec, perplexity, recovery, run_sft, summarize)
 from training.sft_data import (CALCULATOR, SEARCH_DOCS, DocIndex, SFTDataConfig, build_samples, build_sft_data,
-                               calculator, gsm8k_splits, stdlib_functions)
+                               calculator, format_number, gsm8k_splits, stdlib_functions)
 
 SEQ = 512
 DATA = SFTDataConfig(reasoning=36, tool_calc=18, tool_docs=9, code=9, val_per_kind=3)
@@ -275,7 +278,9 @@ def test_sft_stage_with_qat_checkpoints_resumes_and_reports_int4(packed, tmp_pat
     q = result["quantization"]
     assert set(q) == set(MODELS)
     for row in q.values():
-        assert row["ppl"] > 1 and 0 <= row["gsm8k_acc"] <= 1 and row["gsm8k_n"] == 2
+        # 4 steps from random weights answer no GSM8K question (the scorer's exact values are
+        # test_gsm8k_accuracy_is_exact_match_of_the_final_number's)
+        assert row["ppl"] == pytest.approx(math.exp(row["loss"])) and row["gsm8k_acc"] == 0.0 and row["gsm8k_n"] == 2
     assert q["full"]["ppl"] != q["qat_int4"]["ppl"]                # INT4 is not the full model
     b = result["int4_bytes"]
     assert b["int4_bytes"] * 4 == b["fp16_bytes"] and b["quantized_params"] > 0
@@ -303,3 +308,80 @@ def test_sft_stage_with_qat_checkpoints_resumes_and_reports_int4(packed, tmp_pat
     for a, c in zip(first, second):
         assert a["loss"] == c["loss"] and a["lm"] == c["lm"], a["step"]
     assert again["quantization"]["full"]["ppl"] == q["full"]["ppl"]
+
+
+# ---------------------------------------------------------------- the held-out scores
+V = 512
+
+
+class FixedLogits(torch.nn.Module):
+    """Every position predicts p(v) = 3/1024 for even v and 1/1024 for odd v (V = 512): a target
+    token costs log(1024/3) or log(1024) nats, whatever the context."""
+
+    def forward(self, input_ids, labels, doc_ids=None, compute_mtp=True):
+        logits = torch.where(torch.arange(V) % 2 == 0, math.log(3.0), 0.0).expand(*input_ids.shape, V)
+        return SimpleNamespace(losses={"lm": F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1),
+                                                             ignore_index=IGNORE)})
+
+
+def test_perplexity_is_token_weighted_over_the_assistant_tokens(sft_data):
+    data_dir, _ = sft_data
+    batches = list(eval_batches(PackedDataset(data_dir, "val"), 2, 3))
+    targets = [b["labels"][b["labels"] != IGNORE] for b in batches]
+    n, even = sum(len(t) for t in targets), sum(int((t % 2 == 0).sum()) for t in targets)
+    want = (even * math.log(1024 / 3) + (n - even) * math.log(1024)) / n
+    # the batches differ in size and mix: a mean of per-batch means would not be `want`
+    per_batch = [float(((t % 2 == 0) * math.log(1024 / 3) + (t % 2 == 1) * math.log(1024)).float().mean())
+                 for t in targets]
+    assert abs(sum(per_batch) / len(per_batch) - want) > 1e-4
+    for mbs in (1, 2):
+        got = perplexity(FixedLogits(), data_dir, mbs, 3)
+        assert got["tokens"] == n and got["loss"] == pytest.approx(want, rel=1e-6)
+        assert got["ppl"] == pytest.approx(math.exp(want), rel=1e-6)
+    # a real model with a zero LM head predicts uniformly: perplexity = vocabulary size
+    model = _model()
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+    assert perplexity(model, data_dir, 2, 3)["ppl"] == pytest.approx(V, rel=1e-5)
+
+
+class Replies(torch.nn.Module):
+    """A stand-in for GLMModel in generate: on the left-padded prompt batch, row i's greedy
+    continuation spells the reply for the question in row i's (unpadded) prompt, then repeats
+    its last token."""
+
+    def __init__(self, tokenizer, replies: dict[str, str]):
+        super().__init__()
+        self.tok, self.replies, self.queues = tokenizer, replies, []
+
+    def new_cache(self):
+        return None
+
+    def forward(self, ids, attention_mask=None, cache=None):
+        if ids.shape[1] > 1:
+            self.queues = []
+            for row, m in zip(ids, attention_mask):
+                prompt = self.tok.decode(row[m.bool()].tolist(), skip_special_tokens=False)
+                (reply,) = [r for q, r in self.replies.items() if q in prompt]
+                self.queues.append(self.tok.encode(reply, add_special_tokens=False).ids)
+        logits = torch.zeros(ids.shape[0], ids.shape[1], self.tok.get_vocab_size())
+        for i, q in enumerate(self.queues):
+            logits[i, -1, q.pop(0) if len(q) > 1 else q[0]] = 1.0
+        return SimpleNamespace(logits=logits)
+
+
+def test_gsm8k_accuracy_is_exact_match_of_the_final_number(tokenizer):
+    problems = gsm8k_splits(DATA)[1][:5]
+    ans = [p.answer for p in problems]
+    off = [format_number(float(a) + 1) for a in ans]
+    replies = {
+        problems[0].question: f"Let me see. #### {ans[0]}<|endoftext|>",           # right
+        problems[1].question: f"It is {ans[1]} #### {off[1]}<|endoftext|>",        # the number after #### counts
+        problems[2].question: f"So 3 + 4 is {ans[2]}.<|user|>",                     # no ####: the last number
+        problems[3].question: f"#### {off[3]}<|user|>#### {ans[3]}",               # nothing after the stop token
+        problems[4].question: "I do not know.<|endoftext|>",                        # no number at all
+    }
+    got = gsm8k_accuracy(Replies(tokenizer, replies), tokenizer, problems, max_new_tokens=40)
+    assert got["acc"] == 2 / 5 and got["n"] == 5
+    assert got["example"] == replies[problems[0].question]
+    assert gsm8k_accuracy(Replies(tokenizer, {}), tokenizer, [], 8) == {"acc": None, "n": 0}
