@@ -694,7 +694,9 @@ def run_all(args: argparse.Namespace, in_process: bool = False) -> dict[str, Any
         "sections": []}
     start = time.monotonic()
     selected = [s for s in SECTIONS if not args.sections or s.name in args.sections]
-    cuda = False
+    # the environment section finds out (after any install); without it, ask a fresh process
+    cuda = False if any(s.name == "environment" for s in selected) else cuda_available()
+    report["cuda"] = cuda
     for sec in selected:
         left = args.budget - (time.monotonic() - start)
         timeout = min(args.timeouts.get(sec.name, sec.timeout_s), left)
@@ -709,8 +711,6 @@ def run_all(args: argparse.Namespace, in_process: bool = False) -> dict[str, Any
         write_reports(out, report)
         print(f"[gpu_check] {sec.name}: {res['status']} ({res['seconds']:.1f} s) {summary(res)[:160]}",
               flush=True)
-    if not any(s.name == "environment" for s in selected):
-        report["cuda"] = cuda_available()
     write_reports(out, report)
     return report
 

@@ -117,6 +117,10 @@ def test_a_failing_section_is_recorded_and_the_rest_still_run(gc, monkeypatch, t
     assert by["third"]["error"] == "loss differs by 9%" and by["third"]["numbers"] == {"loss": 3.0}
     assert by["fourth"]["numbers"] == {"ran": True}
     assert by["gpu"]["reason"] == "no CUDA device"
+    # without an environment section, CUDA is asked for before the GPU sections run
+    monkeypatch.setattr(gc, "cuda_available", lambda: True)
+    report = gc.run_all(gc.parse_args(["--out", str(tmp_path / "b"), "--sections", "gpu"]), in_process=True)
+    assert report["cuda"] is True and report["sections"][0]["status"] == "ok"
     assert by["absent"]["reason"].startswith("missing Python modules: no_such_module_xyz")
     saved = json.loads((tmp_path / "report.json").read_text())
     assert [s["status"] for s in saved["sections"]] == [s["status"] for s in report["sections"]]
