@@ -240,13 +240,17 @@ def execute(
     results: dict[str, StageResult] = {}
     record.save(runner.store)
     for spec in specs:
-        parents = {p: results[p].manifest for p in spec.parents}
-        if set(spec.parents) - set(results):
-            parents = {**runner.published_upstream(spec.name)}
+        parents: dict[str, Manifest] | None = None
         try:
+            if set(spec.parents) <= set(results):
+                parents = {p: results[p].manifest for p in spec.parents}
+            else:
+                # Resuming one stage (or a partial list): its parents come from the store.
+                upstream_found = runner.published_upstream(spec.name)
+                parents = {p: upstream_found[p] for p in spec.parents}
             res = run_one(spec, parents)
         except BaseException as e:
-            key = runner.key(spec, parents)
+            key = runner.key(spec, parents) if parents is not None else None
             record.fail(spec.name, key, e)
             record.state, record.finished = "failed", _now()
             record.save(runner.store)
