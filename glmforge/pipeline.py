@@ -22,7 +22,13 @@ def _training() -> list[StageSpec]:
     return [*training, *dsa, *sft]
 
 
-STAGES: list[StageSpec] = [INGEST, *_curation(), *_training()]
+def _posttrain() -> list[StageSpec]:
+    from posttrain.rl_reasoning import STAGES as rl_reasoning
+
+    return [*rl_reasoning]
+
+
+STAGES: list[StageSpec] = [INGEST, *_curation(), *_training(), *_posttrain()]
 STAGE_NAMES = [s.name for s in STAGES]
 BY_NAME = {s.name: s for s in STAGES}
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -70,9 +71,11 @@ def _check(temperature: float, top_p: float, greedy: bool, max_new_tokens: int) 
 def generate(model: GLMModel, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
              top_p: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None,
              seed: int | None = None, attention_mask: torch.Tensor | None = None,
-             eos_token_id: int | None = None, use_cache: bool = True) -> Generation:
+             eos_token_id: int | Sequence[int] | None = None, use_cache: bool = True) -> Generation:
     """input_ids [B,T0] (left-padded if attention_mask marks padding) -> Generation.
 
+    eos_token_id: one stop id or several (a chat template's end-of-turn set); a row stops at the
+    first of them, which is kept, and is padded with it afterwards (log-prob 0).
     use_cache=False recomputes the whole sequence every step (the reference for the cache)."""
     _check(temperature, top_p, greedy, max_new_tokens)
     if generator is None and seed is not None:
@@ -81,15 +84,20 @@ def generate(model: GLMModel, input_ids: torch.Tensor, max_new_tokens: int, *, t
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.dtype)
     ids, toks, lps = input_ids, [], []
     done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+    stops = None if eos_token_id is None else torch.tensor(
+        [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=input_ids.device)
+    fill = torch.full((B,), -1, dtype=torch.long, device=input_ids.device)   # the stop id each row ended on
     cache = model.new_cache() if use_cache else None
     with eval_mode(model):
         logits = model(ids, attention_mask=mask, cache=cache).logits[:, -1]
         for step in range(max_new_tokens):
             tok, lp = sample_next(logits, temperature, top_p, greedy, generator)
-            if eos_token_id is not None:
-                tok = torch.where(done, eos_token_id, tok)
+            if stops is not None:
+                tok = torch.where(done, fill, tok)
                 lp = torch.where(done, 0.0, lp)
-                done |= tok == eos_token_id
+                hit = ~done & torch.isin(tok, stops)
+                fill = torch.where(hit, tok, fill)
+                done |= hit
             toks.append(tok)
             lps.append(lp)
             ids = torch.cat([ids, tok[:, None]], 1)

@@ -35,29 +35,10 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
+from rl.sample import Task
 from rl.sandbox import SandboxLimits, run_python
-
-if TYPE_CHECKING:
-    from rl.sample import Task
-
-
-def __getattr__(name: str):
-    # rl.sample imports torch (seconds); the worker never needs it, so Task is loaded on demand.
-    if name == "Task":
-        from rl.sample import Task
-        return Task
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-@dataclass(frozen=True)
-class _WireTask:
-    """What the worker hands to a reward: rl.sample.Task's fields without importing torch."""
-    domain: str
-    prompt: str
-    answer: str
-    meta: dict
 
 
 __all__ = ["Task", "RewardOutcome", "REWARDS", "register_reward", "score_sample", "RewardWorker",
@@ -401,7 +382,7 @@ def _serve(read_fd: int, write_fd: int, imports: list[str]) -> None:
         if batch is None:
             return
         for i, text, (domain, prompt, answer, meta) in batch:
-            out = score_sample(text, _WireTask(domain, prompt, answer, meta))
+            out = score_sample(text, Task(domain, prompt, answer, meta))
             tx.send((i, out.score, out.status, out.reason))
 
 

@@ -45,12 +45,13 @@ def truncate(path: Path, last_step: int) -> None:
     tmp.replace(path)
 
 
-def write_tensorboard(records: list[dict[str, Any]], log_dir: Path, extra: dict[str, float] | None = None) -> None:
+def write_tensorboard(records: list[dict[str, Any]], log_dir: Path, extra: dict[str, float] | None = None,
+                      keys: tuple[str, ...] | list[str] = SCALARS) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
     w = SummaryWriter(log_dir=str(log_dir))
     for r in records:
-        for k in SCALARS:
+        for k in keys:
             v = r.get(k)
             if isinstance(v, (int, float)) and math.isfinite(v):
                 w.add_scalar(f"train/{k}", v, r["step"])

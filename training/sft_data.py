@@ -46,6 +46,7 @@ from data_processing.common import expand_path
 from data_processing.packing import pack_samples
 from data_processing.tokenizer import EOS, PAD
 from posttrain.chat_template import THINKING_MODES, Message, ToolCall, encode
+from rl import arithmetic
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 # Small, pure-Python modules with documented top-level functions (the docs-tool corpus and the
@@ -62,7 +63,7 @@ SEARCH_DOCS = {"type": "function", "function": {
     "name": "search_docs", "description": "Look up the docstring of a Python standard-library function by "
                                           "its dotted name (module.function) or bare function name.",
     "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}
-KINDS = ("reasoning", "tool_calc", "tool_docs", "code")
+KINDS = ("reasoning", "tool_calc", "tool_docs", "code", "arithmetic")
 # a file name with "test" as a word: test.jsonl, gsm8k-test.jsonl, test_sample.jsonl (not latest.jsonl)
 _TEST_SPLIT = re.compile(r"(?<![a-z])test(?![a-z])")
 
@@ -76,6 +77,10 @@ class SFTDataConfig(BaseModel):
     tool_calc: int = Field(300, ge=0)
     tool_docs: int = Field(150, ge=0)
     code: int = Field(150, ge=0)
+    arithmetic: int = Field(0, ge=0, description="demonstrations of rl-reasoning's synthetic addition task "
+                            "(rl.arithmetic): the warm start that puts RL at the edge of competence")
+    arithmetic_corrupt: float = Field(0.35, ge=0, lt=1, description="share of arithmetic demonstrations with "
+                                      "one wrong digit (keeps sampled accuracy where GRPO has reward variance)")
     val_per_kind: int = Field(16, ge=1, description="held-out conversations of each kind")
     val_fraction: float = Field(0.15, gt=0, lt=1, description="share of stdlib functions held out")
     max_doc_chars: int = Field(600, ge=50, description="search_docs returns at most this much of a docstring")
@@ -296,6 +301,17 @@ def code_sample(i: int, f: Function) -> Sample:
                            Message("assistant", f"```python\n{f.source}\n```", reasoning=reasoning)), None, mode)
 
 
+def arithmetic_samples(n: int, split: str, seed: int, corrupt: float) -> list[Sample]:
+    """Addition in rl.arithmetic's format, thinking off; held-out pairs only in the val split."""
+    rng = random.Random(seed)
+    out = []
+    for t in arithmetic.tasks(n, "train" if split == "train" else "heldout", seed):
+        answer = arithmetic.corrupted(t.answer, rng) if split == "train" and rng.random() < corrupt else t.answer
+        out.append(Sample("arithmetic", (Message("user", t.prompt, thinking=False), Message("assistant", answer)),
+                          None, "turn"))
+    return out
+
+
 def _valid(make, *args) -> Sample | None:
     """Build a sample; text the template refuses (a special-token string inside) is skipped."""
     try:
@@ -325,7 +341,7 @@ def build_samples(cfg: SFTDataConfig) -> dict[str, list[Sample]]:
     index = DocIndex(funcs, cfg.max_doc_chars)     # the tool sees the whole corpus
     rng = random.Random(cfg.seed)
 
-    def for_split(probs: list[Problem], fs: list[Function], counts: dict[str, int]) -> list[Sample]:
+    def for_split(probs: list[Problem], fs: list[Function], counts: dict[str, int], split: str) -> list[Sample]:
         def pairs():
             i = k = 0
             while k < len(probs):
@@ -337,10 +353,11 @@ def build_samples(cfg: SFTDataConfig) -> dict[str, list[Sample]]:
         return (_take(pairs(), counts["reasoning"])
                 + _take((_valid(calc_sample, i, p, cfg.max_calls) for i, p in enumerate(probs)), counts["tool_calc"])
                 + _take((_valid(docs_sample, i, f, index) for i, f in enumerate(fs)), counts["tool_docs"])
-                + _take((_valid(code_sample, i, f) for i, f in enumerate(short)), counts["code"]))
+                + _take((_valid(code_sample, i, f) for i, f in enumerate(short)), counts["code"])
+                + arithmetic_samples(counts["arithmetic"], split, cfg.seed, cfg.arithmetic_corrupt))
 
-    train = for_split(train_p, kept, {k: getattr(cfg, k) for k in KINDS})
-    val = for_split(eval_p, held, {k: cfg.val_per_kind for k in KINDS})
+    train = for_split(train_p, kept, {k: getattr(cfg, k) for k in KINDS}, "train")
+    val = for_split(eval_p, held, {k: cfg.val_per_kind if getattr(cfg, k) else 0 for k in KINDS}, "val")
     rng.shuffle(train)
     return {"train": train, "val": val}
 

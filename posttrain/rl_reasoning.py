@@ -1,0 +1,334 @@
+"""The `rl-reasoning` stage: GRPO with IcePop on verifiable domains, after SFT.
+
+    sft (weights), tokenize (tokenizer) --> rl-reasoning
+
+Each step (GLM-5's reasoning RL: fully on-policy, no KL term, group-normalised advantages):
+  1. the rollout engine takes the trainer's weights (a new policy version), optionally as a
+     fake-INT4 copy (`rollout_int4`: the deployed precision, a real train/inference mismatch);
+  2. `prompts_per_step` prompts drawn from the domains by weight, `group_size` samples each;
+  3. rewards in a killable worker process (rl.rewards; model-written code in rl.sandbox);
+  4. advantages per group, pi_train(theta_old) recomputed on the same token ids, then
+     `minibatches` x `epochs` optimizer steps of the GRPO + IcePop loss (rl.grpo, rl.loss).
+The DSA indexer is frozen and top-k is deterministic (model.kernels' tie rule) during RL, as
+GLM-5 does, so rollouts and training select the same keys.
+
+Checkpoints (training.checkpoint layout: digests + COMPLETE marker + atomic `latest`) hold the
+model, the optimizer, the rollout RNG and the step; the prompts of a step derive from (seed,
+step), so a resumed stage replays exactly the rollouts an uninterrupted one would have made.
+
+Metrics: per step in metrics.jsonl and TensorBoard (reward per domain, IcePop masked fraction,
+clip fraction, entropy, response length, zero-variance groups, reward failures by reason); for
+the stage: reward first/last (means over the first/last 10% of steps), greedy held-out accuracy
+on the synthetic domain before/after with standard errors, GSM8K test accuracy before/after.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from data_processing.tokenizer import load_tokenizer
+from glmforge.stage import StageSpec, Workdir
+from model.hf import load_state
+from model.model import GLMModel, indexer_parameters
+from posttrain.chat_template import STOP_TOKENS
+from posttrain.qat import QATConfig
+from rl import arithmetic
+from rl.grpo import UpdateParams, assign_advantages, update
+from rl.rewards import RewardWorker
+from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
+from rl.sample import Sample, Status, Task
+from rl.tasks import DOMAINS, gsm8k_tasks, load_pools
+from training import checkpoint, metrics
+from training.loop import export
+
+log = logging.getLogger("glmforge")
+STATE = "state.pt"
+
+
+class RLReasoningConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    steps: int = Field(200, ge=1, description="rollout + update rounds")
+    prompts_per_step: int = Field(32, ge=1, description="prompts per rollout batch (GLM-5: 32)")
+    group_size: int = Field(32, ge=2, description="samples per prompt (GLM-5: 32)")
+    domains: dict[str, float] = Field({"arithmetic": 1.0}, description=f"prompt weights over {DOMAINS}")
+    # optimizer: AdamW, no weight decay (GLM-5's RL scripts: Adam lr 1e-6, beta2 0.98)
+    lr: float = Field(1e-6, ge=0, description="0: the control run (rollouts and rewards without learning)")
+    betas: tuple[float, float] = (0.9, 0.98)
+    grad_clip: float = Field(1.0, gt=0)
+    # the loss
+    eps_low: float = Field(0.2, ge=0, lt=1, description="PPO clip below 1")
+    eps_high: float = Field(0.28, ge=0, description="PPO clip above 1 (clip-higher)")
+    icepop_beta: Optional[float] = Field(2.0, gt=1, description="IcePop band [1/beta, beta]; null: off")
+    std_normalize: bool = Field(False, description="divide advantages by the group's std")
+    minibatches: int = Field(2, ge=1, description="optimizer steps per rollout batch (per epoch)")
+    epochs: int = Field(1, ge=1)
+    # sampling
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(512, ge=1)
+    rollout_int4: Optional[QATConfig] = Field(None, description="rollouts from a fake-INT4 copy of the weights")
+    rollout_batch: int = Field(256, ge=1, description="sequences per generate() call")
+    # rewards
+    reward_timeout_s: float = Field(10.0, gt=0)
+    # prompt sources and evaluation
+    gsm8k_path: str = "{samples}/gsm8k/train.jsonl"
+    gsm8k_skip: int = Field(200, ge=0, description="GSM8K train lines SFT holds out (not RL prompts)")
+    mbpp_path: str = "{samples}/mbpp/mbpp.jsonl"
+    heldout: int = Field(200, ge=1, description="held-out synthetic prompts, greedy, before and after")
+    gsm8k_test_path: str = "{samples}/gsm8k/test.jsonl"
+    gsm8k_test: int = Field(16, ge=0, description="GSM8K test questions scored before and after (greedy)")
+    gsm8k_max_new_tokens: int = Field(256, ge=1)
+    checkpoint_every: int = Field(20, ge=1)
+    keep_last: int = Field(2, ge=1)
+    examples: int = Field(8, ge=0, description="rollouts of the last step written to samples.jsonl")
+
+    @field_validator("domains")
+    @classmethod
+    def _domains(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = sorted(set(v) - set(DOMAINS))
+        if bad:
+            raise ValueError(f"unknown domains {bad}; known: {', '.join(DOMAINS)}")
+        if any(w < 0 for w in v.values()) or not any(w > 0 for w in v.values()):
+            raise ValueError("domain weights must be >= 0 with at least one > 0")
+        return v
+
+
+# ---------------------------------------------------------------- one step
+def draw_tasks(pools: dict[str, list[Task]], weights: dict[str, float], n: int, seed: int, step: int) -> list[Task]:
+    """n prompts for `step`, a pure function of (seed, step): resume replays the same prompts."""
+    rng = random.Random(seed * 1_000_003 + step)
+    names = [d for d in pools]
+    w = [weights[d] for d in names]
+    return [rng.choice(pools[d]) for d in rng.choices(names, weights=w, k=n)]
+
+
+def score(worker: RewardWorker, samples: list[Sample], timeout_s: float) -> Counter:
+    """Set reward / status on each sample; returns failures by reason."""
+    failures: Counter = Counter()
+    todo = [s for s in samples if s.status in (Status.OK, Status.TRUNCATED)]
+    for s, outcome in zip(todo, worker.score([(s.text, s.task) for s in todo], timeout_s)):
+        s.reward_reason = outcome.reason
+        if outcome.status == "ok":
+            s.reward = float(outcome.score)
+            s.rewards = {s.task.domain: s.reward}
+        else:
+            s.status, s.reward = Status.REWARD_ERROR, 0.0
+            failures[f"{s.task.domain}:{outcome.status}"] += 1
+    return failures
+
+
+def step_record(step: int, samples: list[Sample], stats: dict[str, float], flat: float, failures: Counter,
+                seconds: dict[str, float]) -> dict[str, Any]:
+    by_domain: dict[str, list[float]] = {}
+    for s in samples:
+        by_domain.setdefault(s.task.domain, []).append(s.reward)
+    lengths = [len(s.response_ids) for s in samples]
+    return {
+        "step": step,
+        "reward": sum(s.reward for s in samples) / len(samples),
+        **{f"reward/{d}": sum(v) / len(v) for d, v in sorted(by_domain.items())},
+        "zero_variance_groups": flat,
+        "response_length": sum(lengths) / len(lengths),
+        "truncated_fraction": sum(s.status == Status.TRUNCATED for s in samples) / len(samples),
+        "reward_failures": dict(failures),
+        **{k: v for k, v in stats.items()},
+        **{f"time/{k}": v for k, v in seconds.items()},
+    }
+
+
+# ---------------------------------------------------------------- evaluation
+@torch.no_grad()
+def heldout_accuracy(engine: RolloutEngine, worker: RewardWorker, tokenizer, tasks: list[Task],
+                     max_new_tokens: int, timeout_s: float) -> dict[str, float]:
+    """Greedy accuracy (reward == 1) with its binomial standard error."""
+    samples = [Sample(t, i, prompt_ids(tokenizer, t)) for i, t in enumerate(tasks)]
+    engine.generate(samples, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens), torch.Generator())
+    score(worker, samples, timeout_s)
+    p = sum(s.reward >= 1.0 for s in samples) / len(samples)
+    return {"acc": p, "stderr": math.sqrt(p * (1 - p) / len(samples)), "n": len(samples)}
+
+
+def evaluate(engine: RolloutEngine, policy: GLMModel, worker: RewardWorker, tokenizer, cfg: RLReasoningConfig,
+             heldout: list[Task], gsm8k: list[Task], version: int) -> dict[str, Any]:
+    # Evaluated as deployed: through the rollout engine (INT4 when rollouts are INT4).
+    engine.sync(policy, version)
+    digits = len(heldout[0].answer.split()) + 1
+    out = {"heldout": heldout_accuracy(engine, worker, tokenizer, heldout, digits, cfg.reward_timeout_s)}
+    if gsm8k:
+        out["gsm8k_test"] = heldout_accuracy(engine, worker, tokenizer, gsm8k, cfg.gsm8k_max_new_tokens,
+                                             cfg.reward_timeout_s)
+    return out
+
+
+# ---------------------------------------------------------------- checkpoints
+def save_checkpoint(root: Path, step: int, model: GLMModel, opt: torch.optim.Optimizer, gen: torch.Generator,
+                    evals_before: dict[str, Any], keep_last: int) -> None:
+    tag = checkpoint.tag_for(step)
+    d = root / tag
+    if d.exists():                       # a leftover of a save a crash interrupted
+        import shutil
+
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "rollout_rng": gen.get_state()},
+               d / STATE)
+    checkpoint.finalize(root, tag, {"step": step, "evals_before": evals_before}, keep_last)
+
+
+def load_checkpoint(root: Path, model: GLMModel, opt: torch.optim.Optimizer, gen: torch.Generator
+                    ) -> tuple[int, dict[str, Any]] | None:
+    found = checkpoint.select_resume(root)
+    if found is None:
+        return None
+    tag, meta = found
+    state = torch.load(root / tag / STATE, weights_only=True)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    gen.set_state(state["rollout_rng"])
+    return meta["step"], meta["evals_before"]
+
+
+# ---------------------------------------------------------------- the stage
+def first_last(records: list[dict[str, Any]], key: str) -> dict[str, float] | None:
+    vals = [r[key] for r in records if key in r]
+    if not vals:
+        return None
+    k = max(1, len(vals) // 10)
+    return {"first": sum(vals[:k]) / k, "last": sum(vals[-k:]) / k}
+
+
+def run_rl_reasoning(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
+    tokenizer = load_tokenizer(inputs["tokenize"])
+    model = load_state(inputs["sft"] / "consolidated.safetensors")
+    if model.config.vocab_size < tokenizer.get_vocab_size():
+        raise ValueError(f"rl-reasoning: the SFT model's vocab_size {model.config.vocab_size} is smaller than "
+                         f"the tokenizer's {tokenizer.get_vocab_size()} tokens")
+    for p in indexer_parameters(model):         # GLM-5 freezes the DSA indexer during RL
+        p.requires_grad_(False)
+    stop_ids = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
+    pad_id = tokenizer.token_to_id("<|pad|>")
+    seed = workdir.seed
+    torch.manual_seed(seed)
+
+    pools = load_pools(cfg.domains, gsm8k_path=cfg.gsm8k_path, gsm8k_skip=cfg.gsm8k_skip, mbpp_path=cfg.mbpp_path)
+    heldout = arithmetic.tasks(cfg.heldout, "heldout", seed)
+    gsm8k = gsm8k_tasks(cfg.gsm8k_test_path, 0)[: cfg.gsm8k_test] if cfg.gsm8k_test else []
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=cfg.lr, betas=cfg.betas, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    engine = RolloutEngine(model, tokenizer, stop_ids, pad_id, int4=cfg.rollout_int4, batch_size=cfg.rollout_batch)
+    sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
+    params = UpdateParams(cfg.eps_low, cfg.eps_high, cfg.icepop_beta, cfg.minibatches, cfg.epochs,
+                          cfg.temperature, cfg.std_normalize, cfg.grad_clip)
+    ckpt_root, log_path = workdir.checkpoint / "ckpt", workdir.checkpoint / "metrics.jsonl"
+
+    with RewardWorker() as worker:
+        resumed = load_checkpoint(ckpt_root, model, opt, gen)
+        if resumed is None:
+            start, before = 0, evaluate(engine, model, worker, tokenizer, cfg, heldout, gsm8k, 0)
+            log_path.unlink(missing_ok=True)
+        else:
+            start, before = resumed
+            metrics.truncate(log_path, start)
+            log.info("rl-reasoning: resuming after step %d", start)
+        samples: list[Sample] = []
+        for step in range(start + 1, cfg.steps + 1):
+            t0 = time.perf_counter()
+            engine.sync(model, step)
+            tasks = draw_tasks(pools, cfg.domains, cfg.prompts_per_step, seed, step)
+            samples = [Sample(t, g, prompt_ids(tokenizer, t)) for g, t in enumerate(tasks)
+                       for _ in range(cfg.group_size)]
+            engine.generate(samples, sampling, gen)
+            t1 = time.perf_counter()
+            failures = score(worker, samples, cfg.reward_timeout_s)
+            t2 = time.perf_counter()
+            flat = assign_advantages(samples, cfg.std_normalize)
+            stats = update(model, opt, samples, pad_id, params, gen)
+            t3 = time.perf_counter()
+            rec = step_record(step, samples, stats, flat, failures,
+                              {"generate": t1 - t0, "reward": t2 - t1, "train": t3 - t2})
+            metrics.append(log_path, rec)
+            workdir.progress(step, cfg.steps, f"rl-reasoning reward {rec['reward']:.3f}")
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                save_checkpoint(ckpt_root, step, model, opt, gen, before, cfg.keep_last)
+                workdir.persist_checkpoint()
+        after = evaluate(engine, model, worker, tokenizer, cfg, heldout, gsm8k, cfg.steps + 1)
+
+    records = metrics.read(log_path)
+    return publish(cfg, model, inputs, workdir.out, records, before, after, samples)
+
+
+def publish(cfg: RLReasoningConfig, model: GLMModel, inputs: dict[str, Path], out: Path,
+            records: list[dict[str, Any]], before: dict[str, Any], after: dict[str, Any],
+            last_samples: list[Sample]) -> dict[str, Any]:
+    b, a = before["heldout"], after["heldout"]
+    se = math.sqrt(b["stderr"] ** 2 + a["stderr"] ** 2)
+    failures: Counter = Counter()
+    for r in records:
+        failures.update(r.get("reward_failures", {}))
+    domains = sorted({k.split("/", 1)[1] for r in records for k in r if k.startswith("reward/")})
+    result: dict[str, Any] = {
+        "steps": len(records),
+        "reward": first_last(records, "reward"),
+        "reward_per_domain": {d: first_last(records, f"reward/{d}") for d in domains},
+        "heldout_accuracy": {"before": b["acc"], "after": a["acc"], "stderr_before": b["stderr"],
+                             "stderr_after": a["stderr"], "n": a["n"],
+                             "gain_in_stderr": (a["acc"] - b["acc"]) / se if se > 0 else None},
+        "gsm8k_test_accuracy": ({"before": before["gsm8k_test"]["acc"], "after": after["gsm8k_test"]["acc"],
+                                 "n": after["gsm8k_test"]["n"]} if "gsm8k_test" in after else None),
+        "icepop_masked_fraction": sum(r.get("icepop_masked_fraction", 0.0) for r in records) / len(records),
+        "clip_fraction": sum(r.get("clip_fraction", 0.0) for r in records) / len(records),
+        "zero_variance_groups": first_last(records, "zero_variance_groups"),
+        "entropy": first_last(records, "entropy"),
+        "response_length": first_last(records, "response_length"),
+        "reward_failures": dict(failures),
+        "seconds_per_step": {k: sum(r[f"time/{k}"] for r in records) / len(records)
+                             for k in ("generate", "reward", "train")},
+        "rollout_int4": cfg.rollout_int4 is not None,
+    }
+    export(model, out, str(inputs["tokenize"]), {"heldout_before": b["acc"], "heldout_after": a["acc"]})
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    keys = sorted({k for r in records for k, v in r.items() if isinstance(v, (int, float)) and k != "step"})
+    metrics.write_tensorboard(records, out / "tensorboard", keys=keys)
+    plot_rewards(records, out / "reward.png", result)
+    with open(out / "samples.jsonl", "w") as f:
+        for s in last_samples[: cfg.examples]:
+            f.write(json.dumps({"domain": s.task.domain, "prompt": s.task.prompt, "response": s.text,
+                                "answer": s.task.answer, "reward": s.reward, "status": s.status.value}) + "\n")
+    return result
+
+
+def plot_rewards(records: list[dict[str, Any]], png: Path, result: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [r["step"] for r in records]
+    ax.plot(steps, [r["reward"] for r in records], label="mean reward (sampled)")
+    ax.plot(steps, [r["zero_variance_groups"] for r in records], label="zero-variance groups", alpha=0.6)
+    h = result["heldout_accuracy"]
+    ax.scatter([0, steps[-1]], [h["before"], h["after"]], color="red", zorder=3, label="held-out greedy accuracy")
+    ax.set_xlabel("step")
+    ax.set_title("rl-reasoning (GRPO + IcePop)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+STAGE = StageSpec("rl-reasoning", "rl_reasoning", RLReasoningConfig, run_rl_reasoning, parents=("sft", "tokenize"))
+STAGES: list[StageSpec] = [STAGE]

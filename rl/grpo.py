@@ -1,0 +1,143 @@
+"""One GRPO update on a batch of scored rollouts (the trainer side of reasoning RL).
+
+    1. advantages per group (rl.loss.group_advantages)
+    2. pi_train(theta_old): one no-grad forward over every sample's exact token ids; stored on
+       the samples beside the rollout log-probs (IcePop compares the two)
+    3. `epochs` passes over `minibatches` shuffled minibatches, one optimizer step each. With one
+       step per batch the ratio pi_theta / pi_old is exactly 1 and the PPO clip never acts; from
+       the second step on it does.
+Samples that are not trainable (aborted, reward error, empty) are left out of the loss; their
+group's advantage baseline is computed over the valid members only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model.model import GLMModel
+from rl.loss import group_advantages, grpo_icepop_loss, token_logprobs
+from rl.sample import Sample
+
+
+def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded tensors for one forward pass over prompt + response.
+
+    input_ids [B,T]; attention_mask [B,T]; targets [B,T] (the next token at each position);
+    response_mask [B,T] = 1 where targets[b,t] is a trained response token; rollout_logprobs,
+    train_logprobs [B,T] aligned with targets (0 elsewhere); advantages [B]."""
+    seqs = [s.prompt_ids + s.response_ids for s in samples]
+    T = max(len(x) for x in seqs) - 1
+    B = len(samples)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    targets = torch.full((B, T), pad_id, dtype=torch.long)
+    attention = torch.zeros(B, T, dtype=torch.long)
+    resp = torch.zeros(B, T)
+    rollout = torch.zeros(B, T)
+    train = torch.zeros(B, T)
+    for b, (s, seq) in enumerate(zip(samples, seqs)):
+        n = len(seq) - 1
+        input_ids[b, :n] = torch.tensor(seq[:-1])
+        targets[b, :n] = torch.tensor(seq[1:])
+        attention[b, :n] = 1
+        start = len(s.prompt_ids) - 1            # position whose target is the first response token
+        r = len(s.response_ids)
+        resp[b, start:start + r] = torch.tensor(s.loss_mask, dtype=torch.float)
+        rollout[b, start:start + r] = torch.tensor(s.rollout_logprobs)
+        if s.train_logprobs is not None:
+            train[b, start:start + r] = torch.tensor(s.train_logprobs)
+    return {"input_ids": input_ids, "attention_mask": attention, "targets": targets, "response_mask": resp,
+            "rollout_logprobs": rollout, "train_logprobs": train,
+            "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float)}
+
+
+@dataclass(frozen=True)
+class UpdateParams:
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    icepop_beta: float | None = 2.0
+    minibatches: int = 2
+    epochs: int = 1
+    temperature: float = 1.0
+    std_normalize: bool = False
+    grad_clip: float = 1.0
+
+
+def assign_advantages(samples: list[Sample], std_normalize: bool) -> float:
+    """Set sample.advantage; returns the fraction of groups whose rewards all agree."""
+    valid = [s for s in samples if s.trainable]
+    if not valid:
+        return 1.0
+    rewards = torch.tensor([s.reward for s in valid])
+    groups = torch.tensor([s.group for s in valid])
+    for s, a in zip(valid, group_advantages(rewards, groups, std_normalize).tolist()):
+        s.advantage = a
+    flat = sum(bool((rewards[groups == g] == rewards[groups == g][0]).all()) for g in groups.unique())
+    return flat / len(groups.unique())
+
+
+def _forward_logprobs(model: GLMModel, batch: dict[str, torch.Tensor], temperature: float,
+                      want_entropy: bool = False):
+    logits = model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logp = token_logprobs(logits, batch["targets"], temperature)
+    if not want_entropy:
+        return logp, None
+    with torch.no_grad():
+        lp_all = (logits.float() / temperature).log_softmax(-1)
+        ent = -(lp_all.exp() * lp_all).sum(-1)
+    return logp, ent
+
+
+@torch.no_grad()
+def recompute_old_logprobs(model: GLMModel, samples: list[Sample], pad_id: int, temperature: float,
+                           chunk: int = 64) -> float:
+    """Store pi_train(theta_old) per response token on each sample; returns the mean entropy."""
+    was = model.training
+    model.eval()
+    ent_sum, n = 0.0, 0.0
+    try:
+        for i in range(0, len(samples), chunk):
+            part = samples[i:i + chunk]
+            batch = collate(part, pad_id)
+            logp, ent = _forward_logprobs(model, batch, temperature, want_entropy=True)
+            m = batch["response_mask"]
+            ent_sum += float((ent * m).sum())
+            n += float(m.sum())
+            for b, s in enumerate(part):
+                start = len(s.prompt_ids) - 1
+                s.train_logprobs = logp[b, start:start + len(s.response_ids)].tolist()
+    finally:
+        model.train(was)
+    return ent_sum / max(n, 1.0)
+
+
+def update(model: GLMModel, optimizer: torch.optim.Optimizer, samples: list[Sample], pad_id: int,
+           params: UpdateParams, generator: torch.Generator) -> dict[str, float]:
+    """Steps 2-3 of the module doc on samples whose advantages are set. Returns mean stats."""
+    train = [s for s in samples if s.trainable]
+    entropy = recompute_old_logprobs(model, train, pad_id, params.temperature)
+    totals: dict[str, float] = {}
+    steps = 0
+    model.train()
+    for _ in range(params.epochs):
+        order = torch.randperm(len(train), generator=generator).tolist()
+        size = -(-len(train) // params.minibatches)
+        for k in range(0, len(train), size):
+            part = [train[j] for j in order[k:k + size]]
+            batch = collate(part, pad_id)
+            logp, _ = _forward_logprobs(model, batch, params.temperature)
+            loss, stats = grpo_icepop_loss(logp, batch["train_logprobs"], batch["rollout_logprobs"],
+                                           batch["advantages"], batch["response_mask"], params.eps_low,
+                                           params.eps_high, params.icepop_beta)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
+                                                   params.grad_clip)
+            optimizer.step()
+            for key, v in {**stats, "loss": float(loss.detach()), "grad_norm": float(gnorm)}.items():
+                totals[key] = totals.get(key, 0.0) + v
+            steps += 1
+    out = {k: v / max(steps, 1) for k, v in totals.items()}
+    out["entropy"] = entropy
+    out["optimizer_steps"] = steps
+    return out

@@ -1,0 +1,85 @@
+"""The rollout engine: batched sampling over the model's KV cache, with per-token log-probs.
+
+The engine holds its own copy of the weights, as an inference server does: `sync(policy,
+version)` copies the trainer's weights in (a version number per sync, stamped on every token
+it generates). With `int4` set, the copy is fake-quantized to INT4 (posttrain.qat, the QAT path
+GLM-5 deploys), so rollouts come from a model that differs from the full-precision one being
+trained: a real train/inference mismatch for IcePop to correct.
+
+Prompts are token ids (rendered once with the chat template); responses are token ids up to and
+including the first stop token. The loss mask is 1 on every generated token, the stop token
+included: the model must learn to stop.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from model.generate import generate
+from model.model import GLMModel
+from posttrain.chat_template import Message, encode
+from posttrain.qat import QATConfig, prepare_qat
+from rl.sample import Sample, Status, Task
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+
+
+def prompt_ids(tokenizer, task: Task, tools: list[dict] | None = None) -> list[int]:
+    """The chat-template prompt for a task: one user turn, thinking off, ending with the
+    assistant marker (and its empty think block) the model continues from."""
+    messages = [Message("user", task.prompt, thinking=False)]
+    return encode(tokenizer, messages, tools, thinking_mode="turn", add_generation_prompt=True).ids
+
+
+class RolloutEngine:
+    def __init__(self, policy: GLMModel, tokenizer, stop_ids: list[int], pad_id: int,
+                 int4: QATConfig | None = None, batch_size: int = 64):
+        self.tokenizer, self.stop_ids, self.pad_id = tokenizer, list(stop_ids), pad_id
+        self.int4, self.batch_size = int4, batch_size
+        self.model = copy.deepcopy(policy)
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        if int4 is not None:
+            prepare_qat(self.model, int4)     # state-dict names unchanged: sync stays a plain copy
+        self.model.eval()
+        self.version = 0
+
+    def sync(self, policy: GLMModel, version: int) -> None:
+        self.model.load_state_dict(policy.state_dict())
+        self.version = version
+
+    @torch.no_grad()
+    def generate(self, samples: list[Sample], params: SamplingParams, generator: torch.Generator) -> None:
+        """Fill response_ids, rollout_logprobs, versions, loss_mask, status and text in place."""
+        for i in range(0, len(samples), self.batch_size):
+            self._batch(samples[i:i + self.batch_size], params, generator)
+
+    def _batch(self, samples: list[Sample], params: SamplingParams, generator: torch.Generator) -> None:
+        T0 = max(len(s.prompt_ids) for s in samples)
+        ids = torch.full((len(samples), T0), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, s in enumerate(samples):                      # left padding: every row ends at T0
+            ids[b, T0 - len(s.prompt_ids):] = torch.tensor(s.prompt_ids)
+            mask[b, T0 - len(s.prompt_ids):] = 1
+        greedy = params.temperature == 0
+        gen = generate(self.model, ids, params.max_new_tokens, temperature=params.temperature or 1.0,
+                       top_p=params.top_p, greedy=greedy, generator=generator, attention_mask=mask,
+                       eos_token_id=self.stop_ids)
+        stops = set(self.stop_ids)
+        for b, s in enumerate(samples):
+            toks = gen.new_tokens[b].tolist()
+            lps = gen.logprobs[b].tolist()
+            end = next((k + 1 for k, t in enumerate(toks) if t in stops), None)
+            s.status = Status.OK if end is not None else Status.TRUNCATED
+            end = end or len(toks)
+            s.response_ids, s.rollout_logprobs = toks[:end], lps[:end]
+            s.versions = [self.version] * end
+            s.loss_mask = [1] * end
+            s.text = self.tokenizer.decode(s.response_ids, skip_special_tokens=True)

@@ -1,0 +1,50 @@
+"""The one record that flows through RL unchanged: rollout -> reward -> advantage -> loss.
+
+Token ids end to end: the rollout engine fills prompt_ids / response_ids and the per-token
+rollout log-probs and policy versions; rewards read the decoded text but never change the ids;
+the trainer recomputes log-probs on exactly these ids (it never re-tokenises text).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class Status(str, Enum):
+    OK = "ok"                      # finished on a stop token, reward computed
+    TRUNCATED = "truncated"        # hit max_new_tokens before a stop token (still trained: reward as scored)
+    ABORTED = "aborted"            # generation was cancelled (never trained)
+    REWARD_ERROR = "reward_error"  # the reward function failed or timed out (never trained)
+
+
+@dataclass(frozen=True)
+class Task:
+    """One prompt of a verifiable domain. `meta` is JSON-serialisable (tests, tool specs, ids)."""
+
+    domain: str
+    prompt: str
+    answer: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Sample:
+    task: Task
+    group: int                                   # samples of one prompt share a group id
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    rollout_logprobs: list[float] = field(default_factory=list)   # inference engine, per response token
+    versions: list[int] = field(default_factory=list)             # policy version per response token
+    loss_mask: list[int] = field(default_factory=list)            # 1 = model-generated and trained
+    status: Status = Status.OK
+    reward: float = 0.0
+    rewards: dict[str, float] = field(default_factory=dict)       # per component (hybrid rewards)
+    reward_reason: str = ""
+    advantage: float = 0.0
+    train_logprobs: list[float] | None = None    # pi_train(theta_old), recomputed by the trainer
+    text: str = ""                               # decoded response, for rewards and logs only
+
+    @property
+    def trainable(self) -> bool:
+        return self.status in (Status.OK, Status.TRUNCATED) and sum(self.loss_mask) > 0
