@@ -58,28 +58,42 @@ class RolloutEngine:
     @torch.no_grad()
     def generate(self, samples: list[Sample], params: SamplingParams, generator: torch.Generator) -> None:
         """Fill response_ids, rollout_logprobs, versions, loss_mask, status and text in place."""
-        for i in range(0, len(samples), self.batch_size):
-            self._batch(samples[i:i + self.batch_size], params, generator)
+        done = self.complete([s.prompt_ids for s in samples], params, generator)
+        for s, (toks, lps, stopped) in zip(samples, done):
+            s.status = Status.OK if stopped else Status.TRUNCATED
+            s.response_ids, s.rollout_logprobs = toks, lps
+            s.versions = [self.version] * len(toks)
+            s.loss_mask = [1] * len(toks)
+            s.text = self.tokenizer.decode(toks, skip_special_tokens=True)
 
-    def _batch(self, samples: list[Sample], params: SamplingParams, generator: torch.Generator) -> None:
-        T0 = max(len(s.prompt_ids) for s in samples)
-        ids = torch.full((len(samples), T0), self.pad_id, dtype=torch.long)
+    @torch.no_grad()
+    def complete(self, prefixes: list[list[int]], params: SamplingParams, generator: torch.Generator
+                 ) -> list[tuple[list[int], list[float], bool]]:
+        """Continue each token prefix: (new ids up to and including the first stop token,
+        their log-probs, whether a stop token ended it), in order."""
+        out = []
+        for i in range(0, len(prefixes), self.batch_size):
+            out += self._batch(prefixes[i:i + self.batch_size], params, generator)
+        return out
+
+    def _batch(self, prefixes: list[list[int]], params: SamplingParams, generator: torch.Generator
+               ) -> list[tuple[list[int], list[float], bool]]:
+        T0 = max(len(p) for p in prefixes)
+        ids = torch.full((len(prefixes), T0), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
-        for b, s in enumerate(samples):                      # left padding: every row ends at T0
-            ids[b, T0 - len(s.prompt_ids):] = torch.tensor(s.prompt_ids)
-            mask[b, T0 - len(s.prompt_ids):] = 1
+        for b, p in enumerate(prefixes):                     # left padding: every row ends at T0
+            ids[b, T0 - len(p):] = torch.tensor(p)
+            mask[b, T0 - len(p):] = 1
         greedy = params.temperature == 0
         gen = generate(self.model, ids, params.max_new_tokens, temperature=params.temperature or 1.0,
                        top_p=params.top_p, greedy=greedy, generator=generator, attention_mask=mask,
                        eos_token_id=self.stop_ids)
         stops = set(self.stop_ids)
-        for b, s in enumerate(samples):
+        out = []
+        for b in range(len(prefixes)):
             toks = gen.new_tokens[b].tolist()
             lps = gen.logprobs[b].tolist()
             end = next((k + 1 for k, t in enumerate(toks) if t in stops), None)
-            s.status = Status.OK if end is not None else Status.TRUNCATED
-            end = end or len(toks)
-            s.response_ids, s.rollout_logprobs = toks[:end], lps[:end]
-            s.versions = [self.version] * end
-            s.loss_mask = [1] * end
-            s.text = self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
+            n = end or len(toks)
+            out.append((toks[:n], lps[:n], end is not None))
+        return out

@@ -18,5 +18,5 @@ def tokenizer():
     from data_processing.tokenizer import train_tokenizer
 
     texts = [" 1 2 + 3 4 = 6 4 0", " 9 9 + 9 9 = 8 9 1", "What is 3 plus 4? The answer is 7.",
-             "def add(a, b):\n    return a + b\n"] * 30
+             "def add(a, b):\n    return a + b\n", "45 is 40+5, so 45."] * 30
     return train_tokenizer(texts, vocab_size=300, min_frequency=2)

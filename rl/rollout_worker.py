@@ -1,0 +1,104 @@
+"""A rollout worker process: `python -m rl.rollout_worker HOST:PORT WORKER_ID`.
+
+It connects to the orchestrator (rl.orchestrator) over TCP with the auth key from the
+environment (GLMFORGE_RL_AUTHKEY, hex; never on the command line), receives its configuration,
+and then serves requests in order:
+    ("weights", version, path)   load a published weight file (between requests or turns)
+    ("generate", group, task, n) run n episodes of the task (rl.agent.run_group) and answer
+                                 ("result", worker_id, group, [sample dicts])
+    ("stop",)                    exit
+A heartbeat thread sends ("heartbeat", worker_id) every `heartbeat_s`; the orchestrator takes a
+worker that stops beating (or whose socket closes) for dead and re-routes its groups. The same
+program runs on another machine given the orchestrator's address.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from multiprocessing.connection import Client
+from typing import Any
+
+
+def serve(address: tuple[str, int], worker_id: str) -> None:
+    conn = Client(address, authkey=bytes.fromhex(os.environ["GLMFORGE_RL_AUTHKEY"]))
+    lock = threading.Lock()
+
+    def send(msg: tuple) -> None:
+        with lock:
+            conn.send(msg)
+
+    send(("hello", worker_id, os.getpid()))
+    kind, cfg = conn.recv()
+    assert kind == "config", kind
+    import torch
+
+    torch.set_num_threads(int(cfg.get("threads", 1)))
+    from data_processing.tokenizer import load_tokenizer
+    from model.hf import load_state
+    from posttrain.chat_template import STOP_TOKENS
+    from posttrain.qat import QATConfig
+    from rl.agent import run_group
+    from rl.envs import make_env
+    from rl.rollout import RolloutEngine, SamplingParams
+    from rl.wire import sample_to_dict, task_from_dict
+
+    tokenizer = load_tokenizer(cfg["tokenizer"])
+    params = SamplingParams(**cfg["sampling"])
+    int4 = QATConfig(**cfg["int4"]) if cfg.get("int4") else None
+    engine: RolloutEngine | None = None
+    queue: list[tuple] = []
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(cfg["heartbeat_s"]):
+            try:
+                send(("heartbeat", worker_id))
+            except OSError:
+                return
+
+    threading.Thread(target=beat, daemon=True).start()
+
+    def load(version: int, path: str) -> None:
+        nonlocal engine
+        model = load_state(path)
+        if engine is None:
+            stops = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
+            engine = RolloutEngine(model, tokenizer, stops, tokenizer.token_to_id("<|pad|>"), int4=int4,
+                                   batch_size=cfg["batch_size"])
+        engine.sync(model, version)
+
+    def drain() -> None:
+        # between turns: apply new weights now, keep other requests for later (in order)
+        while conn.poll(0):
+            msg = conn.recv()
+            if msg[0] == "weights":
+                load(msg[1], msg[2])
+            else:
+                queue.append(msg)
+
+    try:
+        while True:
+            msg: tuple[Any, ...] = queue.pop(0) if queue else conn.recv()
+            if msg[0] == "stop":
+                break
+            if msg[0] == "weights":
+                load(msg[1], msg[2])
+            elif msg[0] == "generate":
+                _, group, task, n = msg
+                if engine is None:
+                    raise RuntimeError("generate before any weights were published")
+                t = task_from_dict(task)
+                samples = run_group(engine, tokenizer, lambda: make_env(t.domain, **cfg["env_args"].get(t.domain, {})),
+                                    t, group, n, params, cfg["max_turns"], cfg["seed"], on_turn=drain)
+                send(("result", worker_id, group, [sample_to_dict(s) for s in samples]))
+    except (EOFError, OSError):
+        pass                                   # the orchestrator went away: nothing to answer to
+    finally:
+        stop.set()
+        conn.close()
+
+
+if __name__ == "__main__":
+    host, port = sys.argv[1].rsplit(":", 1)
+    serve((host, int(port)), sys.argv[2])
