@@ -13,6 +13,7 @@ import datetime as dt
 import hashlib
 import json
 import logging
+import os
 import shutil
 import uuid
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from pydantic import BaseModel
 
 from glmforge.pipeline import STAGE_NAMES, StageSpec, upstream
 from glmforge.stage import ProgressFn, Workdir
-from glmforge.store import Manifest, Store, default_home
+from glmforge.store import Lease, Manifest, Store, default_home
 
 log = logging.getLogger("glmforge")
 
@@ -82,10 +83,24 @@ class _CheckpointMirror:
 
 
 class Runner:
-    def __init__(self, cfg: BaseModel, store: Store, home: Path | None = None):
+    def __init__(self, cfg: BaseModel, store: Store, home: Path | None = None,
+                 lease_ttl: float | None = None, lease_wait: float | None = None):
+        """lease_ttl / lease_wait: see stage_lease ($GLMFORGE_LEASE_TTL, 60 s;
+        $GLMFORGE_LEASE_WAIT, 86400 s)."""
         self.cfg, self.store = cfg, store
         self.home = Path(home) if home else default_home()
         self.seed = cfg.run.seed  # type: ignore[attr-defined]
+        self.lease_ttl = lease_ttl if lease_ttl is not None else float(os.environ.get("GLMFORGE_LEASE_TTL") or 60)
+        self.lease_wait = lease_wait if lease_wait is not None else float(os.environ.get("GLMFORGE_LEASE_WAIT") or 86400)
+
+    def stage_lease(self, spec: StageSpec, key: str) -> Lease:
+        """The store-wide lock on running (stage, key). Two runs of one config on one store (two
+        `glmforge run`, a retry on another machine) never run a stage twice at once: the second
+        waits up to lease_wait seconds for the first, then finds its artifact published
+        (cached) — or, when the first failed, runs the stage itself from its checkpoint. A
+        holder that died without releasing stops blocking after lease_ttl seconds (at once on
+        the same machine). Past lease_wait, LeaseTimeout names the holder."""
+        return Lease(self.store, f"{spec.name}/{key}", ttl=self.lease_ttl)
 
     def section(self, spec: StageSpec) -> BaseModel:
         return getattr(self.cfg, spec.section)
@@ -104,7 +119,16 @@ class Runner:
         if published is not None:
             log.info("%s: artifact %s already published, skipping", spec.name, key)
             return StageResult(spec.name, key, "cached", published, self.store.artifact_uri(spec.name, key))
+        with self.stage_lease(spec, key).held(self.lease_wait):
+            published = self.store.manifest(spec.name, key)  # published by the run we waited for
+            if published is not None:
+                log.info("%s: artifact %s published by another run, skipping", spec.name, key)
+                return StageResult(spec.name, key, "cached", published, self.store.artifact_uri(spec.name, key))
+            return self._run_unlocked(spec, key, parents, progress)
 
+    def _run_unlocked(
+        self, spec: StageSpec, key: str, parents: dict[str, Manifest], progress: ProgressFn | None
+    ) -> StageResult:
         root = self.workdir_root(spec, key)
         out, ckpt = root / "out", root / "checkpoint"
         shutil.rmtree(out, ignore_errors=True)  # outputs are rebuilt each attempt; state lives in ckpt

@@ -6,6 +6,7 @@ Layout under the store root (a directory, or s3://bucket/prefix):
     artifacts/{stage}/{key}/data-{nonce}/...       the files the manifest lists
     checkpoints/{stage}/{key}/...                  in-stage checkpoints mirrored from a workdir
     runs/{run_id}.json, runs/LATEST                run records read by `glmforge status`
+    leases/{stage}/{key}/{generation}              who is running (stage, key) now (see Lease)
 
 Publishing uploads the files under a fresh `data-{nonce}` prefix and then writes the manifest,
 which names that prefix. A crash before the manifest leaves only an unreferenced prefix: no
@@ -15,10 +16,16 @@ S3 has no rename, so this scheme is what makes S3 publishing atomic without copy
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
+import logging
 import os
 import shutil
+import socket
+import threading
+import time
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
@@ -30,8 +37,19 @@ MANIFEST_FORMAT = 1
 _CHUNK = 8 * 1024 * 1024
 
 
+log = logging.getLogger("glmforge")
+
+
 class CorruptArtifactError(RuntimeError):
     """A file of a published artifact is missing or does not match its manifest digest."""
+
+
+class StoreUnavailableError(ConnectionError):
+    """The store's server could not be reached (after the client's retries and timeouts)."""
+
+
+class LeaseTimeout(TimeoutError):
+    """Another run held a stage's lease for longer than this run was willing to wait."""
 
 
 def sha256_file(path: Path) -> str:
@@ -101,6 +119,11 @@ class Store(ABC):
     @abstractmethod
     def put_bytes(self, key: str, data: bytes) -> None:
         """Atomic: a reader sees the old object or the new one, never a partial one."""
+
+    @abstractmethod
+    def create_exclusive(self, key: str, data: bytes) -> bool:
+        """Write the object only if no object has that key, atomically: of two concurrent
+        callers exactly one gets True. The primitive under stage leases."""
 
     @abstractmethod
     def get_file(self, key: str, dest: Path) -> None: ...
@@ -215,7 +238,15 @@ class Store(ABC):
         dest = Path(cache_dir) / manifest.stage / manifest.key / manifest.data_prefix
         done = dest / ".verified"
         if done.exists():
-            return dest
+            # The cached copy is a reader too: a byte changed on this disk since the download
+            # must not reach a stage. A damaged copy is dropped and fetched again from the store.
+            try:
+                for f in manifest.files:
+                    self._check(dest / f.path, f, str(dest / f.path))
+                return dest
+            except CorruptArtifactError as e:
+                log.warning("cached artifact copy is damaged (%s); downloading it again", e)
+                shutil.rmtree(dest, ignore_errors=True)
         for f in manifest.files:
             target = dest / f.path
             try:
@@ -310,6 +341,24 @@ class LocalStore(Store):
             os.fsync(f.fileno())
         os.replace(tmp, dest)
 
+    def create_exclusive(self, key: str, data: bytes) -> bool:
+        # Written in full under a temporary name, then hard-linked: link() fails if the name
+        # exists (atomic, also on NFS), and a reader never sees a half-written object.
+        dest = self._p(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, dest)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink()
+
     def get_file(self, key: str, dest: Path) -> None:
         src = self._p(key)
         if not src.is_file():
@@ -359,7 +408,18 @@ class S3Store(Store):
 
     MULTIPART_THRESHOLD = 64 * 1024 * 1024
 
-    def __init__(self, uri: str, credentials: dict[str, str] | None = None):
+    def __init__(
+        self,
+        uri: str,
+        credentials: dict[str, str] | None = None,
+        *,
+        connect_timeout: float | None = None,
+        read_timeout: float | None = None,
+        max_attempts: int | None = None,
+    ):
+        """Timeouts and attempts default to $GLMFORGE_S3_CONNECT_TIMEOUT (5 s),
+        $GLMFORGE_S3_READ_TIMEOUT (60 s) and $GLMFORGE_S3_MAX_ATTEMPTS (5): a stopped server is
+        reported as StoreUnavailableError within seconds instead of hanging a stage."""
         import boto3
         from boto3.s3.transfer import TransferConfig
         from botocore.config import Config
@@ -371,15 +431,43 @@ class S3Store(Store):
             raise ValueError(f"s3 URI has no bucket: {uri!r}")
         self.bucket, self.prefix = bucket, prefix.strip("/")
         self.uri = f"s3://{bucket}" + (f"/{self.prefix}" if self.prefix else "")
+        self.connect_timeout = connect_timeout if connect_timeout is not None else _env_float("GLMFORGE_S3_CONNECT_TIMEOUT", 5)
+        self.read_timeout = read_timeout if read_timeout is not None else _env_float("GLMFORGE_S3_READ_TIMEOUT", 60)
+        self.max_attempts = max_attempts if max_attempts is not None else int(_env_float("GLMFORGE_S3_MAX_ATTEMPTS", 5))
         creds = dict(credentials or {})
         # A session per store: boto3's default session caches credentials from its first use.
         self._client = boto3.session.Session().client(
             "s3",
             endpoint_url=creds.pop("endpoint_url", None) or os.environ.get("GLMFORGE_S3_ENDPOINT") or None,
-            config=Config(retries={"max_attempts": 5, "mode": "standard"}, s3={"addressing_style": "path"}),
+            config=Config(
+                retries={"total_max_attempts": self.max_attempts, "mode": "standard"},
+                connect_timeout=self.connect_timeout,
+                read_timeout=self.read_timeout,
+                s3={"addressing_style": "path"},
+            ),
             **creds,
         )
+        self.endpoint = self._client.meta.endpoint_url
         self._transfer = TransferConfig(multipart_threshold=self.MULTIPART_THRESHOLD, multipart_chunksize=self.MULTIPART_THRESHOLD)
+
+    @contextlib.contextmanager
+    def _io(self, op: str, key: str) -> Iterator[None]:
+        """Turn "server not there" errors into one StoreUnavailableError naming the object."""
+        from boto3.exceptions import RetriesExceededError
+        from botocore.exceptions import (
+            ConnectionClosedError, ConnectTimeoutError, EndpointConnectionError, IncompleteReadError,
+            ReadTimeoutError, ResponseStreamingError,
+        )
+
+        try:
+            yield
+        except (EndpointConnectionError, ConnectTimeoutError, ReadTimeoutError, ConnectionClosedError,
+                IncompleteReadError, ResponseStreamingError, RetriesExceededError) as e:
+            raise StoreUnavailableError(
+                f"S3 store {self.uri} (endpoint {self.endpoint}) unreachable: {op} {self.uri}/{key} failed after "
+                f"{self.max_attempts} attempts (connect timeout {self.connect_timeout:g} s, read timeout "
+                f"{self.read_timeout:g} s): {e}"
+            ) from e
 
     def __repr__(self) -> str:  # never show credentials
         return f"S3Store({self.uri!r})"
@@ -388,16 +476,34 @@ class S3Store(Store):
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def put_file(self, key: str, src: Path) -> None:
-        self._client.upload_file(str(src), self.bucket, self._k(key), Config=self._transfer)
+        with self._io("upload", key):
+            self._client.upload_file(str(src), self.bucket, self._k(key), Config=self._transfer)
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        self._client.put_object(Bucket=self.bucket, Key=self._k(key), Body=data)
+        with self._io("put", key):
+            self._client.put_object(Bucket=self.bucket, Key=self._k(key), Body=data)
+
+    def create_exclusive(self, key: str, data: bytes) -> bool:
+        # Conditional write (If-None-Match: *), supported by AWS S3 and SeaweedFS (4.x checked).
+        from botocore.exceptions import ClientError
+
+        try:
+            with self._io("create", key):
+                self._client.put_object(Bucket=self.bucket, Key=self._k(key), Body=data, IfNoneMatch="*")
+            return True
+        except ClientError as e:
+            # 412: the key exists; 409: a concurrent conditional write to it is in flight.
+            if e.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict") or \
+                    e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (409, 412):
+                return False
+            raise
 
     def get_file(self, key: str, dest: Path) -> None:
         Path(dest).parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(dest).with_name(Path(dest).name + ".part")
         try:
-            self._client.download_file(self.bucket, self._k(key), str(tmp), Config=self._transfer)
+            with self._io("download", key):
+                self._client.download_file(self.bucket, self._k(key), str(tmp), Config=self._transfer)
         except self._client.exceptions.ClientError as e:
             if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey"):
                 raise FileNotFoundError(f"{self.uri}/{key}") from e
@@ -409,13 +515,15 @@ class S3Store(Store):
         if start is not None or end is not None:
             kw["Range"] = f"bytes={start or 0}-{'' if end is None else end - 1}"
         try:
-            return self._client.get_object(Bucket=self.bucket, Key=self._k(key), **kw)["Body"].read()
+            with self._io("get", key):
+                return self._client.get_object(Bucket=self.bucket, Key=self._k(key), **kw)["Body"].read()
         except self._client.exceptions.NoSuchKey as e:
             raise FileNotFoundError(f"{self.uri}/{key}") from e
 
     def exists(self, key: str) -> bool:
         try:
-            self._client.head_object(Bucket=self.bucket, Key=self._k(key))
+            with self._io("head", key):
+                self._client.head_object(Bucket=self.bucket, Key=self._k(key))
             return True
         except self._client.exceptions.ClientError:
             return bool(self.list(key + "/"))
@@ -423,19 +531,200 @@ class S3Store(Store):
     def list(self, prefix: str) -> list[str]:
         keys = []
         strip = len(self.prefix) + 1 if self.prefix else 0
-        for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._k(prefix)):
-            keys.extend(o["Key"][strip:] for o in page.get("Contents", []))
+        with self._io("list", prefix):
+            for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._k(prefix)):
+                keys.extend(o["Key"][strip:] for o in page.get("Contents", []))
         return sorted(keys)
 
     def delete_prefix(self, prefix: str) -> None:
         keys = self.list(prefix)
         for i in range(0, len(keys), 1000):
-            self._client.delete_objects(
-                Bucket=self.bucket, Delete={"Objects": [{"Key": self._k(k)} for k in keys[i : i + 1000]]}
-            )
+            with self._io("delete", prefix):
+                self._client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": [{"Key": self._k(k)} for k in keys[i : i + 1000]]}
+                )
 
     def local_path(self, key: str) -> Path | None:
         return None
+
+
+
+# ---------------------------------------------------------------- leases
+
+
+def _machine() -> str:
+    """This machine: hostname and kernel boot id, so a pid is only ever judged on its own host."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+_LIVE_OWNERS: set[str] = set()  # leases held right now by this process (any thread)
+
+
+class Lease:
+    """An exclusive, expiring claim on a name in the store (the runner claims `stage/key`).
+
+    Generations make it atomic with one primitive, `create_exclusive`: the lease is the object
+    `leases/{name}/{generation}` with the highest generation. To take it, a run reads the top
+    one; when it is released, expired, or held by a dead process on this machine, the run
+    creates generation top+1 — of two runs racing for it exactly one succeeds. The holder
+    renews `expires` every ttl/3 from a background thread and marks its generation released on
+    exit. A run SIGKILLed on this machine is noticed at once (its pid is gone); on another
+    machine its lease expires `ttl` seconds after the last heartbeat. Clocks of the machines
+    sharing a store must agree to well within `ttl`.
+    """
+
+    def __init__(self, store: Store, name: str, ttl: float = 60.0):
+        if ttl <= 0:
+            raise ValueError(f"lease ttl must be > 0 seconds, got {ttl}")
+        self.store, self.name, self.ttl = store, name, float(ttl)
+        self.prefix = f"leases/{name}"
+        self.owner = uuid.uuid4().hex[:16]
+        self.generation: int | None = None
+        self.holder: dict[str, Any] | None = None  # the live record that made the last try fail
+        self.lost = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def uri(self, generation: int) -> str:
+        return f"{self.store.uri}/{self.prefix}/{generation:010d}"
+
+    def _key(self, generation: int) -> str:
+        return f"{self.prefix}/{generation:010d}"
+
+    def _generations(self) -> list[int]:
+        return sorted(int(k.rsplit("/", 1)[1]) for k in self.store.list(self.prefix + "/") if k.rsplit("/", 1)[1].isdigit())
+
+    def _top(self) -> int | None:
+        gens = self._generations()
+        return gens[-1] if gens else None
+
+    def _record(self, released: bool = False) -> bytes:
+        now = time.time()
+        return json.dumps({
+            "owner": self.owner, "machine": _machine(), "pid": os.getpid(), "generation": self.generation,
+            "heartbeat": now, "expires": now + self.ttl, "ttl": self.ttl, "released": released,
+        }).encode()
+
+    @staticmethod
+    def is_stale(rec: dict[str, Any]) -> bool:
+        if rec.get("released") or rec.get("expires", 0) < time.time():
+            return True
+        if rec.get("machine") == _machine():
+            if not _pid_alive(int(rec.get("pid", 0))):
+                return True  # killed on this machine: no need to wait for the expiry
+            if rec.get("pid") == os.getpid() and rec.get("owner") not in _LIVE_OWNERS:
+                return True  # an earlier attempt in this process that could not release it
+        return False
+
+    def try_acquire(self) -> bool:
+        gens = self._generations()
+        top = gens[-1] if gens else None
+        if top is not None:
+            try:
+                rec = json.loads(self.store.get_bytes(self._key(top)))
+            except FileNotFoundError:
+                return False  # superseded and cleaned up while we looked: look again
+            except ValueError:
+                rec = {}  # unreadable record (torn local write): treat as stale
+            if rec and not self.is_stale(rec):
+                self.holder = rec
+                return False
+        self.generation = 0 if top is None else top + 1
+        if not self.store.create_exclusive(self._key(self.generation), self._record()):
+            self.generation = None
+            return False
+        _LIVE_OWNERS.add(self.owner)
+        for older in gens:  # superseded generations: only the top one matters
+            self.store.delete_prefix(self._key(older))
+        return True
+
+    def acquire(self, wait: float, poll: float | None = None) -> None:
+        """Take the lease, waiting up to `wait` seconds for another holder; LeaseTimeout after."""
+        poll = poll if poll is not None else min(2.0, self.ttl / 4)
+        deadline = time.monotonic() + wait
+        said = False
+        while not self.try_acquire():
+            if time.monotonic() >= deadline:
+                h = self.holder or {}
+                raise LeaseTimeout(
+                    f"{self.name} is being run by another run (owner {h.get('owner')}, pid {h.get('pid')} on "
+                    f"{h.get('machine')}, lease {self.uri(int(h.get('generation') or 0))}); gave up after {wait:g} s. "
+                    f"A killed run's lease expires {self.ttl:g} s after its last heartbeat."
+                )
+            if not said and self.holder:
+                log.info("%s: held by pid %s on %s; waiting up to %g s", self.name, self.holder.get("pid"),
+                         self.holder.get("machine"), wait)
+                said = True
+            time.sleep(poll)
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._heartbeat, name=f"lease-{self.name}", daemon=True)
+        self._thread.start()
+
+    def renew(self) -> bool:
+        """Push `expires` forward; False (and `lost`) when another run took the lease over."""
+        if self.generation is None:
+            return False
+        if self._top() != self.generation:
+            self.lost = True
+            log.error("%s: lease taken over by another run (this run stalled past its ttl of %g s)", self.name, self.ttl)
+            return False
+        self.store.put_bytes(self._key(self.generation), self._record())
+        return True
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            try:
+                if not self.renew():
+                    return
+            except Exception as e:  # a store outage: keep trying until the lease would expire
+                log.warning("%s: lease heartbeat failed: %s", self.name, e)
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        try:
+            if self.generation is not None and not self.lost and self._top() == self.generation:
+                self.store.put_bytes(self._key(self.generation), self._record(released=True))
+        finally:
+            _LIVE_OWNERS.discard(self.owner)
+            self.generation = None
+
+    @contextlib.contextmanager
+    def held(self, wait: float) -> Iterator["Lease"]:
+        self.acquire(wait)
+        try:
+            yield self
+        finally:
+            try:
+                self.release()
+            except Exception as e:  # the store is gone: the lease expires on its own
+                log.warning("%s: could not release the lease (%s); it expires in %g s", self.name, e, self.ttl)
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"${name}={raw!r} is not a number") from None
 
 
 def default_home() -> Path:

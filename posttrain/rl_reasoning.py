@@ -180,8 +180,9 @@ def save_checkpoint(root: Path, step: int, model: GLMModel, opt: torch.optim.Opt
 
         shutil.rmtree(d)
     d.mkdir(parents=True)
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "rollout_rng": gen.get_state()},
-               d / STATE)
+    with checkpoint.saving(root, tag):  # a full disk: a clear error, the previous checkpoint kept
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "rollout_rng": gen.get_state()},
+                   d / STATE)
     checkpoint.finalize(root, tag, {"step": step, "evals_before": evals_before}, keep_last)
 
 

