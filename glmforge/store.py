@@ -17,7 +17,6 @@ S3 has no rename, so this scheme is what makes S3 publishing atomic without copy
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import logging
