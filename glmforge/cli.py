@@ -17,11 +17,34 @@ artifacts_app = typer.Typer(no_args_is_help=True, help="Inspect published artifa
 app.add_typer(artifacts_app, name="artifacts")
 app.add_typer(model_app, name="model")
 app.add_typer(eval_app, name="eval")
+schedule_app = typer.Typer(
+    no_args_is_help=True,
+    help="Deployment schedules on the Prefect server of `glmforge serve` (or $PREFECT_API_URL). "
+    "The nightly cron of the end-to-end deployment is off until `glmforge schedule on`.",
+)
+app.add_typer(schedule_app, name="schedule")
 
 PresetOpt = typer.Option(None, "--preset", "-p", help="preset in configs/ (default: tiny)")
 ConfigOpt = typer.Option(None, "--config", "-c", help="pipeline config YAML file")
 SetOpt = typer.Option(None, "--set", help="override, e.g. --set ingest.shard_size=1000 (repeatable)")
 StoreOpt = typer.Option(None, "--store", help="artifact store: a directory or s3://bucket/prefix")
+
+
+def ensure_homes() -> None:
+    """Create $GLMFORGE_HOME and $PREFECT_HOME when they name folders that do not exist yet:
+    Prefect's SQLite database otherwise fails with "unable to open database file"."""
+    for var in ("GLMFORGE_HOME", "PREFECT_HOME"):
+        if os.environ.get(var):
+            path = Path(os.environ[var]).expanduser()
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                _fail(f"${var}={os.environ[var]}: cannot create the folder: {e}")
+
+
+@app.callback()
+def _main() -> None:
+    ensure_homes()
 
 
 def _fail(msg: str, code: int = 2) -> None:
@@ -51,26 +74,41 @@ def run(
     until: Optional[str] = typer.Option(None, "--until", help="stop after this stage"),
     set_: Optional[list[str]] = SetOpt,
     store: Optional[str] = StoreOpt,
+    flow: bool = typer.Option(
+        False, "--flow", help="run through the Prefect flow even when every stage is already published"
+    ),
 ) -> None:
     """Run the pipeline (stages already published for this config are reused)."""
-    from glmforge.pipeline import get_stage
+    from glmforge.pipeline import get_stage, stages_until
 
     try:
-        load_config(preset, config, set_)  # validate before any work (and before Prefect starts)
+        cfg = load_config(preset, config, set_)  # validated before any work (and before Prefect starts)
         if until:
             get_stage(until)
     except (ConfigError, ValueError) as e:
         _fail(str(e))
+    args = dict(
+        preset=None if config else (preset or "tiny"),
+        config_file=str(config) if config else None,
+        overrides=list(set_ or []),
+        store=store or os.environ.get("GLMFORGE_STORE"),
+        until=until,
+    )
+    # Nothing to run: record the run from the store's manifests, without starting Prefect.
+    # (A store whose credentials live in a Prefect Secret block needs Prefect to open it.)
+    if not flow and cfg.store.credentials_block is None:
+        from glmforge.cached_run import record_if_cached
+
+        source = {k: args[k] for k in ("preset", "config_file", "overrides", "until")}
+        record = record_if_cached(cfg, _store(args["store"] or cfg.store.uri), stages_until(until), source)
+        if record is not None:
+            typer.echo(f"run {record.id}: {record.state} (every stage already published; Prefect not started)")
+            _print_stages(record.public())
+            return
     from flows.end_to_end import pipeline
 
     try:
-        result = pipeline(
-            preset=None if config else (preset or "tiny"),
-            config_file=str(config) if config else None,
-            overrides=list(set_ or []),
-            store=store or os.environ.get("GLMFORGE_STORE"),
-            until=until,
-        )
+        result = pipeline(**args)
     except Exception as e:  # the run record already holds the failure; say it plainly
         _fail(f"pipeline failed: {type(e).__name__}: {e}", code=1)
     typer.echo(f"run {result['run']['id']}: {result['run']['state']}")
@@ -216,6 +254,74 @@ def curate(
     except (ConfigError, ValueError, FileNotFoundError) as e:
         _fail(str(e))
     typer.echo(json.dumps(result, indent=2, sort_keys=True, default=str))
+
+
+ApiOpt = typer.Option(None, "--api", help="Prefect API URL (default: $PREFECT_API_URL, else http://127.0.0.1:4200/api)")
+
+
+def _schedules():
+    from glmforge import schedules
+
+    return schedules
+
+
+@schedule_app.command("ls")
+def schedule_ls(api: Optional[str] = ApiOpt) -> None:
+    """Every schedule of every deployment: deployment, on/off, when, id."""
+    sch = _schedules()
+    try:
+        rows = sch.list_schedules(sch.api_url(api))
+    except sch.ScheduleError as e:
+        _fail(str(e))
+    if not rows:
+        typer.echo("no schedules")
+    for name, s in rows:
+        typer.echo(f"{name:<40} {'on' if s['active'] else 'off':<4} {sch.describe(s):<30} {s['id']}")
+
+
+def _set_active(deployment: str, api: str | None, active: bool) -> None:
+    sch = _schedules()
+    try:
+        for s in sch.set_active(sch.api_url(api), deployment, active):
+            typer.echo(f"{deployment:<40} {'on' if s['active'] else 'off':<4} {sch.describe(s)}")
+    except sch.ScheduleError as e:
+        _fail(str(e))
+
+
+DeploymentArg = typer.Argument("glmforge-pipeline/end-to-end", help="FLOW/DEPLOYMENT (`glmforge schedule ls`)")
+
+
+@schedule_app.command("on")
+def schedule_on(deployment: str = DeploymentArg, api: Optional[str] = ApiOpt) -> None:
+    """Turn a deployment's schedules on (default: the nightly end-to-end run)."""
+    _set_active(deployment, api, True)
+
+
+@schedule_app.command("off")
+def schedule_off(deployment: str = DeploymentArg, api: Optional[str] = ApiOpt) -> None:
+    """Turn a deployment's schedules off."""
+    _set_active(deployment, api, False)
+
+
+@schedule_app.command("add")
+def schedule_add(
+    deployment: str = DeploymentArg,
+    every: Optional[float] = typer.Option(None, "--every", help="interval in seconds"),
+    cron: Optional[str] = typer.Option(None, "--cron", help='cron expression, e.g. "0 2 * * *"'),
+    timezone: str = typer.Option("UTC", "--timezone"),
+    param: Optional[list[str]] = typer.Option(None, "--param", help="flow parameter for these runs, NAME=VALUE (YAML value; repeatable)"),
+    api: Optional[str] = ApiOpt,
+) -> None:
+    """Add an active schedule to a deployment."""
+    from glmforge.config import parse_override
+
+    sch = _schedules()
+    try:
+        params = dict(parse_override(p) for p in param or [])
+        s = sch.add(sch.api_url(api), deployment, every=every, cron=cron, timezone=timezone, parameters=params)
+    except (sch.ScheduleError, ConfigError, ValueError) as e:
+        _fail(str(e).replace("--set", "--param", 1))
+    typer.echo(f"{deployment:<40} on   {sch.describe(s):<30} {s['id']}")
 
 
 @app.command()

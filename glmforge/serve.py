@@ -8,12 +8,24 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PREFECT = str(Path(sys.executable).parent / "prefect")
+
+
+def pool_prefect_yaml(src: Path, pool: str, dest: Path) -> Path:
+    """Write `src` (a prefect.yaml) to `dest` with every deployment on work pool `pool`."""
+    import yaml
+
+    spec = yaml.safe_load(src.read_text())
+    for d in spec.get("deployments") or []:
+        d["work_pool"] = {**(d.get("work_pool") or {}), "name": pool}
+    dest.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return dest
 
 
 class LocalPrefect:
@@ -61,7 +73,12 @@ class LocalPrefect:
 
     def deploy(self) -> None:
         self._prefect("work-pool", "create", self.pool, "--type", "process", "--overwrite")
-        self._prefect("--no-prompt", "deploy", "--all")
+        # `prefect deploy --all` ignores --pool, so the deployments go through a copy of
+        # prefect.yaml naming this pool. $PWD: the pull step's working directory is the repo.
+        with tempfile.TemporaryDirectory(prefix="glmforge-deploy-") as tmp:
+            spec = pool_prefect_yaml(REPO_ROOT / "prefect.yaml", self.pool, Path(tmp) / "prefect.yaml")
+            subprocess.run([PREFECT, "--no-prompt", "deploy", "--all", "--prefect-file", str(spec)],
+                           env={**self.env, "PWD": str(REPO_ROOT)}, cwd=REPO_ROOT, check=True, stdout=subprocess.DEVNULL)
 
     def start_worker(self) -> None:
         self.worker = self._popen(["worker", "start", "--pool", self.pool, "--limit", "1"], "worker")
