@@ -68,13 +68,76 @@ def info(preset: str = typer.Option(..., help="tiny | small | glm5"),
     typer.echo(f"  KV cache per token ({kv_bytes} B/value):         {s['kv_cache_bytes_per_token']} bytes")
 
 
+# The tokenizer an export gets when none is given: the tokenize stage's own training (same
+# function, special tokens and min_frequency) on a text shipped in the repo, so it is the same
+# on every machine and needs no pipeline run.
+DEFAULT_TOKENIZER_TEXT = Path(__file__).resolve().parent.parent / "samples" / "tinyshakespeare" / "input.txt"
+
+
+def default_tokenizer(vocab_size: int):
+    """Byte-level BPE as the tokenize stage trains it (default config), on DEFAULT_TOKENIZER_TEXT,
+    with at most `vocab_size` tokens (the model's embedding rows)."""
+    from data_processing.tokenizer import TokenizeConfig, train_tokenizer
+
+    defaults = TokenizeConfig()
+    if not DEFAULT_TOKENIZER_TEXT.is_file():
+        raise ValueError(f"missing {DEFAULT_TOKENIZER_TEXT} (the default tokenizer's training text); pass --tokenizer")
+    return train_tokenizer([DEFAULT_TOKENIZER_TEXT.read_text(encoding="utf-8")],
+                           min(defaults.vocab_size, vocab_size), defaults.min_frequency)
+
+
+def write_tokenizer_dir(tok_json: Path | None, vocab_size: int, dest: Path) -> Path:
+    """`dest` with tokenizer.json (a copy of tok_json, else default_tokenizer) and, unless one
+    came with it, a tokenizer_config.json naming the fast tokenizer class and the special tokens,
+    so `transformers.AutoTokenizer.from_pretrained` loads the export as it is."""
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    from data_processing.tokenizer import EOS, PAD
+    dest.mkdir(parents=True, exist_ok=True)
+    if tok_json is None:
+        default_tokenizer(vocab_size).save(str(dest / "tokenizer.json"))
+    else:
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (tok_json.parent / f).is_file():
+                shutil.copy(tok_json.parent / f, dest / f)
+    tok = Tokenizer.from_file(str(dest / "tokenizer.json"))
+    if tok.get_vocab_size() > vocab_size:
+        raise ValueError(f"tokenizer {tok_json} has {tok.get_vocab_size()} tokens, more than the model's vocab_size {vocab_size}")
+    if not (dest / "tokenizer_config.json").exists():
+        specials = {k: t for k, t in (("eos_token", EOS), ("pad_token", PAD)) if tok.token_to_id(t) is not None}
+        (dest / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, **specials}, indent=2))
+    return dest
+
+
+def _tokenizer_json(ref: str) -> Path:
+    """--tokenizer: a directory or file holding tokenizer.json, or a store artifact (`tokenize`,
+    `tokenize/KEY`, a full artifact URI)."""
+    from glmforge.artifacts import materialize, parse_uri
+
+    p = Path(ref)
+    if p.exists() and parse_uri(ref) is None:
+        found = p if p.is_file() else p / "tokenizer.json"
+    else:
+        found = materialize(ref) / "tokenizer.json"
+    if not found.is_file():
+        raise ValueError(f"--tokenizer {ref}: no tokenizer.json in {found.parent}")
+    return found
+
+
 @model_app.command("export")
 def export(preset: str = typer.Option(..., help="tiny | small | glm5"),
            init: str = typer.Option("random", help="only 'random' for now"),
            seed: int = typer.Option(0),
            out: Path = typer.Option(..., help="output directory (HF GlmMoeDsaForCausalLM format)"),
-           tokenizer: Path | None = typer.Option(None, help="directory holding tokenizer.json to copy")) -> None:
-    """Export a model in transformers' GlmMoeDsaForCausalLM format."""
+           tokenizer: str | None = typer.Option(
+               None, help="tokenizer.json, a directory holding it, or a store artifact (e.g. `tokenize` of the "
+               "latest run); default: the tokenize stage's tokenizer trained on samples/tinyshakespeare")) -> None:
+    """Export a model (and its tokenizer) in transformers' GlmMoeDsaForCausalLM format."""
+    import tempfile
+
     import torch
 
     from model.config import preset as get_preset
@@ -84,27 +147,33 @@ def export(preset: str = typer.Option(..., help="tiny | small | glm5"),
         _fail(f"--init must be 'random', got {init!r}")
     try:
         cfg = get_preset(preset)
-        torch.manual_seed(seed)
-        path = save_pretrained(GLMModel(cfg), out, tokenizer_dir=tokenizer)
+        tok_json = _tokenizer_json(tokenizer) if tokenizer else None
+        with tempfile.TemporaryDirectory(prefix="glmforge-tokenizer-") as tmp:
+            tok_dir = write_tokenizer_dir(tok_json, cfg.vocab_size, Path(tmp))
+            torch.manual_seed(seed)
+            path = save_pretrained(GLMModel(cfg), out, tokenizer_dir=tok_dir)
     except ValueError as e:
         _fail(str(e))
     typer.echo(str(path))
 
 
-def read_texts(path: Path) -> list[str]:
-    """.txt: the whole file is one text; .jsonl: the "text" field of every line."""
-    if path.suffix == ".jsonl":
-        texts = []
-        for i, line in enumerate(path.read_text().splitlines()):
-            if line.strip():
-                row = json.loads(line)
-                if "text" not in row:
-                    raise ValueError(f"{path}:{i + 1} has no 'text' field")
-                texts.append(row["text"])
-        return texts
-    if path.suffix == ".txt":
-        return [path.read_text()]
-    raise ValueError(f"input must be .txt or .jsonl, got {path.name}")
+def read_texts(path: str, text_field: str = "text", text_template: str | None = None) -> list[str]:
+    """The texts of any input `glmforge curate` reads (JSONL, Parquet, text files or a folder of
+    them; local or s3://), through the same reader (glmforge.curate.documents_from): each
+    record's `text_field`, or `text_template` filled from its fields; a text file is one text.
+    A record without a usable text stops with its file, line and reason."""
+    import tempfile
+
+    from data_processing.document import read_documents
+    from glmforge.curate import documents_from
+    with tempfile.TemporaryDirectory(prefix="glmforge-eval-input-") as tmp:
+        docs, metrics = documents_from(str(path), Path(tmp), text_field, text_template)
+        if metrics.get("quarantined"):
+            bad = json.loads((docs / "quarantine.jsonl").read_text().splitlines()[0])
+            where = f"{bad['file']}:{bad['line']}" if bad.get("line") is not None else bad["file"]
+            raise ValueError(f"{where}: {bad['reason']} ({metrics['quarantined']} record(s) without text; "
+                             "see --text-field / --text-template)")
+        return [d.text for d in read_documents(docs)]
 
 
 def perplexity(model_dir: Path, texts: list[str], max_length: int = 512) -> dict:
@@ -140,14 +209,17 @@ def perplexity(model_dir: Path, texts: list[str], max_length: int = 512) -> dict
 
 @eval_app.command("perplexity")
 def perplexity_cmd(model: str = typer.Option(..., help="model directory (HF format with tokenizer.json)"),
-                   input: Path = typer.Option(..., help=".txt or .jsonl with a 'text' field"),
+                   input: str = typer.Option(..., help="JSONL, Parquet, text files or a folder of them (local or s3://)"),
                    max_length: int = typer.Option(512, help="tokens per scoring window"),
+                   text_field: str = typer.Option("text", "--text-field", help="input field holding the text"),
+                   text_template: str | None = typer.Option(
+                       None, "--text-template", help='build text from fields, e.g. "{question}\\n{answer}"'),
                    as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
-    """Token-level perplexity of a text file."""
+    """Token-level perplexity of a text corpus (read like `glmforge curate` reads its input)."""
     try:
-        if not input.exists():
-            raise ValueError(f"input file {input} does not exist")
-        res = perplexity(resolve_model_dir(model), read_texts(input), max_length)
+        if "://" not in input and not Path(input).exists():
+            raise ValueError(f"input {input} does not exist")
+        res = perplexity(resolve_model_dir(model), read_texts(input, text_field, text_template), max_length)
     except ValueError as e:
         _fail(str(e))
     typer.echo(json.dumps(res, indent=2) if as_json else

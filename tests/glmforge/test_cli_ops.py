@@ -78,3 +78,4 @@ def test_record_if_cached_needs_every_stage(tmp_path, monkeypatch):
     # a different config is a different key: not cached
     other = load_config(None, _config(tmp_path), ["ingest.shard_size=7"])
     assert record_if_cached(other, store, stages_until("ingest"), source) is None
+
