@@ -15,6 +15,9 @@ import json
 import logging
 import os
 import shutil
+import socket
+import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +26,7 @@ from typing import Any, Callable
 from pydantic import BaseModel
 
 from glmforge.pipeline import STAGE_NAMES, StageSpec, upstream
+from glmforge.shutdown import Preempted
 from glmforge.stage import ProgressFn, Workdir
 from glmforge.store import Lease, Manifest, Store, default_home
 
@@ -190,9 +194,36 @@ def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
+# Guards a record between the heartbeat thread (which saves it) and the run (which edits it).
+_record_lock = threading.RLock()
+HEARTBEAT_S = 30.0   # default $GLMFORGE_HEARTBEAT_S
+STALE_BEATS = 3      # a "running" record whose heartbeat is older than this many periods is dead
+
+
+def _alive_here(host: str | None, pid: int | None) -> bool | None:
+    """Whether pid runs on this host; None when the record is from another host."""
+    if not pid or host != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie has exited
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return True
+
+
 @dataclass
 class RunRecord:
-    """What `glmforge status` shows: one pipeline run, its stages and their states."""
+    """What `glmforge status` shows: one pipeline run, its stages and their states.
+
+    state: running | completed | failed | interrupted. A running record carries the pid and
+    host of its process and a heartbeat (UTC time) that `execute` refreshes every heartbeat_s
+    seconds; `public()` shows a running record whose process is gone (same host) or whose
+    heartbeat is older than STALE_BEATS periods as interrupted."""
 
     id: str
     config: dict[str, Any]
@@ -201,6 +232,10 @@ class RunRecord:
     finished: str | None = None
     state: str = "running"
     stages: list[dict[str, Any]] = field(default_factory=list)
+    heartbeat: str | None = None
+    heartbeat_s: float | None = None
+    pid: int | None = None
+    host: str | None = None
 
     @classmethod
     def new(cls, cfg: BaseModel, source: dict[str, Any], stage_names: list[str]) -> "RunRecord":
@@ -213,6 +248,10 @@ class RunRecord:
         return rec
 
     def stage(self, name: str) -> dict[str, Any]:
+        with _record_lock:
+            return self._stage(name)
+
+    def _stage(self, name: str) -> dict[str, Any]:
         for s in self.stages:
             if s["name"] == name:
                 return s
@@ -226,12 +265,28 @@ class RunRecord:
             key=result.key, state=result.state, metrics=result.manifest.metrics, artifact=result.artifact, error=None
         )
 
-    def fail(self, name: str, key: str | None, error: BaseException) -> None:
-        self.stage(name).update(key=key, state="failed", error=f"{type(error).__name__}: {error}")
+    def fail(self, name: str, key: str | None, error: BaseException, state: str = "failed") -> None:
+        with _record_lock:
+            self.stage(name).update(key=key, state=state, error=f"{type(error).__name__}: {error}")
 
-    def save(self, store: Store) -> None:
-        store.put_json(f"runs/{self.id}.json", self.__dict__)
-        store.put_bytes("runs/LATEST", self.id.encode())
+    def save(self, store: Store, latest: bool = True) -> None:
+        with _record_lock:
+            data = json.loads(json.dumps(self.__dict__))
+        store.put_json(f"runs/{self.id}.json", data)
+        if latest:
+            store.put_bytes("runs/LATEST", self.id.encode())
+
+    def shown_state(self, now: float | None = None) -> str:
+        """The state to show: a running record whose process is gone is interrupted."""
+        if self.state != "running" or self.heartbeat is None:
+            return self.state
+        if _alive_here(self.host, self.pid) is False:
+            return "interrupted"
+        beat = dt.datetime.fromisoformat(self.heartbeat).timestamp()
+        period = self.heartbeat_s or HEARTBEAT_S
+        if (now if now is not None else time.time()) - beat > STALE_BEATS * period:
+            return "interrupted"
+        return self.state
 
     @classmethod
     def load(cls, store: Store, run_id: str | None = None) -> "RunRecord | None":
@@ -246,9 +301,52 @@ class RunRecord:
     def public(self) -> dict[str, Any]:
         """The `status --json` object."""
         return {
-            "run": {"id": self.id, "state": self.state, "started": self.started, "finished": self.finished, **self.source},
+            "run": {"id": self.id, "state": self.shown_state(), "started": self.started, "finished": self.finished,
+                    "heartbeat": self.heartbeat, **self.source},
             "stages": [{k: s[k] for k in ("name", "key", "state", "metrics", "artifact", "error")} for s in self.stages],
         }
+
+
+class Heartbeat:
+    """Refreshes record.heartbeat (and saves the record) every `period` seconds from a
+    daemon thread while the run's process lives; stops with the `with` block."""
+
+    def __init__(self, record: RunRecord, store: Store, period: float | None = None):
+        self.record, self.store = record, store
+        self.period = period if period is not None else float(os.environ.get("GLMFORGE_HEARTBEAT_S") or HEARTBEAT_S)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="run-heartbeat", daemon=True)
+
+    def _stamp(self) -> None:
+        with _record_lock:
+            self.record.heartbeat = dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")
+
+    def __enter__(self) -> "Heartbeat":
+        with _record_lock:
+            self.record.pid, self.record.host = os.getpid(), socket.gethostname()
+            self.record.heartbeat_s = self.period
+        self._stamp()
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        while not self._done.wait(self.period):
+            self._stamp()
+            try:
+                # not LATEST: a run started since is the latest, this one only stays alive
+                self.record.save(self.store, latest=False)
+            except Exception as e:  # a store hiccup must not end the run; the next beat retries
+                log.warning("run %s: heartbeat not saved: %s", self.record.id, e)
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def ended_state(error: BaseException) -> str:
+    """failed for an error of the stage; interrupted for a stop request (a signal, Ctrl-C,
+    Preempted, Prefect's TerminationSignal, SystemExit) — the stage did nothing wrong."""
+    return "failed" if isinstance(error, Exception) and not isinstance(error, Preempted) else "interrupted"
 
 
 def execute(
@@ -259,30 +357,53 @@ def execute(
 ) -> dict[str, StageResult]:
     """Run `specs` in order, updating and saving the run record after each stage.
 
-    `run_one` lets tasks/ route each stage through a Prefect task; by default stages run inline."""
+    `run_one` lets tasks/ route each stage through a Prefect task; by default stages run inline.
+    The record always ends completed, failed or interrupted (see ended_state), whatever raised."""
     run_one = run_one or (lambda spec, parents: runner.run_stage(spec, parents))
     results: dict[str, StageResult] = {}
-    record.save(runner.store)
-    for spec in specs:
-        parents: dict[str, Manifest] | None = None
+    record.state = "running"
+    with Heartbeat(record, runner.store):
         try:
-            if set(spec.parents) <= set(results):
-                parents = {p: results[p].manifest for p in spec.parents}
-            else:
-                # Resuming one stage (or a partial list): its parents come from the store.
-                upstream_found = runner.published_upstream(spec.name)
-                parents = {p: upstream_found[p] for p in spec.parents}
-            res = run_one(spec, parents)
-        except BaseException as e:
-            key = runner.key(spec, parents) if parents is not None else None
-            record.fail(spec.name, key, e)
-            record.state, record.finished = "failed", _now()
             record.save(runner.store)
+            for spec in specs:
+                parents: dict[str, Manifest] | None = None
+                try:
+                    if set(spec.parents) <= set(results):
+                        parents = {p: results[p].manifest for p in spec.parents}
+                    else:
+                        # Resuming one stage (or a partial list): its parents come from the store.
+                        upstream_found = runner.published_upstream(spec.name)
+                        parents = {p: upstream_found[p] for p in spec.parents}
+                    res = run_one(spec, parents)
+                except BaseException as e:
+                    try:
+                        key = runner.key(spec, parents) if parents is not None else None
+                    except Exception:
+                        key = None
+                    record.fail(spec.name, key, e, ended_state(e))
+                    raise
+                results[spec.name] = res
+                with _record_lock:
+                    record.mark(res)
+                record.save(runner.store)
+        except BaseException as e:
+            with _record_lock:
+                record.state, record.finished = ended_state(e), _now()
+            _save_on_the_way_out(record, runner.store)
             raise
-        results[spec.name] = res
-        record.mark(res)
-        record.save(runner.store)
     record.state, record.finished = "completed", _now()
     record.save(runner.store)
     return results
 
+
+def _save_on_the_way_out(record: RunRecord, store: Store) -> None:
+    """Save the final state even when a second Ctrl-C lands during the save."""
+    for _ in range(3):
+        try:
+            record.save(store)
+            return
+        except KeyboardInterrupt:
+            continue
+        except Exception as e:
+            log.warning("run %s: final state %s not saved: %s", record.id, record.state, e)
+            return

@@ -36,6 +36,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_processing.tokenizer import load_tokenizer
+from glmforge import shutdown
 from glmforge.stage import StageSpec, Workdir
 from model.hf import load_state
 from model.model import GLMModel, indexer_parameters
@@ -244,26 +245,33 @@ def run_rl_reasoning(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: W
             metrics.truncate(log_path, start)
             log.info("rl-reasoning: resuming after step %d", start)
         samples: list[Sample] = []
-        for step in range(start + 1, cfg.steps + 1):
-            t0 = time.perf_counter()
-            engine.sync(model, step)
-            tasks = draw_tasks(pools, cfg.domains, cfg.prompts_per_step, seed, step)
-            samples = [Sample(t, g, prompt_ids(tokenizer, t)) for g, t in enumerate(tasks)
-                       for _ in range(cfg.group_size)]
-            engine.generate(samples, sampling, gen)
-            t1 = time.perf_counter()
-            failures = score(worker, samples, cfg.reward_timeout_s)
-            t2 = time.perf_counter()
-            flat = assign_advantages(samples, cfg.std_normalize)
-            stats = update(model, opt, samples, pad_id, params, gen)
-            t3 = time.perf_counter()
-            rec = step_record(step, samples, stats, flat, failures,
-                              {"generate": t1 - t0, "reward": t2 - t1, "train": t3 - t2})
-            metrics.append(log_path, rec)
-            workdir.progress(step, cfg.steps, f"rl-reasoning reward {rec['reward']:.3f}")
-            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-                save_checkpoint(ckpt_root, step, model, opt, gen, before, cfg.keep_last)
-                workdir.persist_checkpoint()
+        # SIGTERM/SIGINT (glmforge.shutdown): the step in flight ends, a checkpoint is written and
+        # Preempted raised; a second signal interrupts at once.
+        with shutdown.deferred() as stop_requested:
+            for step in range(start + 1, cfg.steps + 1):
+                t0 = time.perf_counter()
+                engine.sync(model, step)
+                tasks = draw_tasks(pools, cfg.domains, cfg.prompts_per_step, seed, step)
+                samples = [Sample(t, g, prompt_ids(tokenizer, t)) for g, t in enumerate(tasks)
+                           for _ in range(cfg.group_size)]
+                engine.generate(samples, sampling, gen)
+                t1 = time.perf_counter()
+                failures = score(worker, samples, cfg.reward_timeout_s)
+                t2 = time.perf_counter()
+                flat = assign_advantages(samples, cfg.std_normalize)
+                stats = update(model, opt, samples, pad_id, params, gen)
+                t3 = time.perf_counter()
+                rec = step_record(step, samples, stats, flat, failures,
+                                  {"generate": t1 - t0, "reward": t2 - t1, "train": t3 - t2})
+                metrics.append(log_path, rec)
+                workdir.progress(step, cfg.steps, f"rl-reasoning reward {rec['reward']:.3f}")
+                stop = stop_requested() and step < cfg.steps
+                if step % cfg.checkpoint_every == 0 or step == cfg.steps or stop:
+                    save_checkpoint(ckpt_root, step, model, opt, gen, before, cfg.keep_last)
+                    workdir.persist_checkpoint()
+                if stop:
+                    raise shutdown.Preempted(f"rl-reasoning stopped by a signal: checkpoint at step {step} of "
+                                             f"{cfg.steps} written")
         after = evaluate(engine, model, worker, tokenizer, cfg, heldout, gsm8k, cfg.steps + 1)
 
     records = metrics.read(log_path)

@@ -15,6 +15,7 @@ from prefect.states import Completed
 
 from glmforge.config import TaskConfig
 from glmforge.runner import Runner, StageResult
+from glmforge.shutdown import Preempted
 from glmforge.stage import StageSpec
 from glmforge.store import Manifest, artifact_prefix
 from tasks.progress import StageProgress
@@ -50,6 +51,14 @@ def publish_prefect_artifacts(runner: Runner, result: StageResult) -> None:
             )
 
 
+def _retry_unless_preempted(task, task_run, state) -> bool:
+    """A preempted stage is not retried in this process (it is being shut down: a pod eviction,
+    `docker stop`); it ends Failed with a "Preempted" message and the run's own retry (the
+    deployment's, `glmforge resume`) continues from the checkpoint it wrote."""
+    data = getattr(state, "data", None)
+    return not isinstance(data, Preempted) and "Preempted" not in (state.message or "")
+
+
 def stage_task(spec: StageSpec, settings: TaskConfig):
     """The Prefect task that runs `spec`: retries from config, our own store-level cache."""
 
@@ -57,6 +66,7 @@ def stage_task(spec: StageSpec, settings: TaskConfig):
         name=spec.name,
         retries=settings.retries,
         retry_delay_seconds=settings.retry_delay_seconds,
+        retry_condition_fn=_retry_unless_preempted,
         cache_policy=NO_CACHE,  # the artifact store is the cache (see glmforge.runner)
         persist_result=False,
     )

@@ -106,6 +106,11 @@ class TrainConfig(BaseModel):
     eval_sequences: int = Field(64, ge=1, description="held-out sequences scored before and after")
     deterministic: bool = Field(True, description="torch deterministic algorithms (bit-exact resume on CPU)")
     seed_offset: int = Field(0, ge=0, description="added to the run seed (model init, data order)")
+    # A pod eviction gives terminationGracePeriodSeconds (30 s by default) between SIGTERM and
+    # SIGKILL: finishing the step, writing the checkpoint and mirroring it to S3 must fit, so
+    # this stays below the pod's grace period (deployments/k8s sets that from this value).
+    preempt_grace_s: float = Field(25.0, gt=0, description="seconds from SIGTERM to finish the current step and "
+                                   "write a checkpoint; past it (or on a second signal) the ranks exit at once")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":

@@ -4,7 +4,9 @@ Parent side (the stage's process): `run_ranks(spec, launch_cfg, spec_path, on_li
 spec, starts `torchrun` (or the DeepSpeed launcher) on `python -m training.launch SPEC`, streams
 the ranks' output line by line into logging (logger "glmforge") and to `on_line`, and turns a
 failure into `TrainingFailed` naming the rank, its exit code and the last output lines, so the
-caller's retry policy retries and the retry resumes from the checkpoint.
+caller's retry policy retries and the retry resumes from the checkpoint. A stop signal to the
+stage (SIGTERM/SIGINT, see glmforge.shutdown) is passed to the ranks, which finish the step,
+checkpoint and exit; `run_ranks` then raises `Preempted`.
 
 Rank side: `python -m training.launch SPEC` reads the spec and runs training.loop.train.
 
@@ -12,6 +14,7 @@ Only rank 0 prints progress; every rank's traceback still reaches the stream thr
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -20,10 +23,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
+from glmforge import shutdown
 from training.config import LaunchConfig
 
 log = logging.getLogger("glmforge")
@@ -113,28 +118,75 @@ def run_ranks(spec: dict[str, Any], cfg: LaunchConfig, spec_path: Path,
     cmd = command(cfg, spec_path, port)
     log.info("launching %d rank(s): %s", cfg.world_size, " ".join(cmd))
     tail: deque[str] = deque(maxlen=TAIL_LINES)
-    # Same process group as the stage: killing the stage's group kills the ranks with it; and
-    # if only the stage's process dies (kill -9 of a worker), the launcher gets SIGTERM and
-    # stops its ranks, so a retry never finds the old ranks still writing checkpoints.
+    grace = float(spec["train"].get("preempt_grace_s", 25.0))
+    # Its own session: a terminal's Ctrl-C or a group kill reaches the ranks only through
+    # forward() (once, as SIGTERM), never also through torchrun (whose own SIGTERM handling
+    # would be their second signal). If only the stage's process dies (kill -9 of a worker),
+    # the launcher gets SIGTERM (PDEATHSIG) and stops its ranks, so a retry never finds the old
+    # ranks still writing checkpoints.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=str(REPO), bufsize=1, preexec_fn=_die_with_parent)
+                            cwd=str(REPO), bufsize=1, preexec_fn=_die_with_parent, start_new_session=True)
+    forwarded: list[int] = []
+    last_resort: list[threading.Timer] = []
+
+    def forward(signum: int) -> None:
+        """Stop signal to the stage: pass it to the ranks themselves (they finish the step and
+        checkpoint, or exit at once on the second); SIGKILL the group if they overrun."""
+        forwarded.append(signum)
+        for pid in rank_pids(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        if not last_resort:
+            t = threading.Timer(grace + shutdown.KILL_MARGIN_S, _kill_group, args=(proc,))
+            t.daemon = True
+            t.start()
+            last_resort.append(t)
+
     try:
-        assert proc.stdout is not None
-        for raw in proc.stdout:
-            line = raw.rstrip("\n")
-            tail.append(line)
-            on_line(line)
-        rc = proc.wait()
+        with shutdown.deferred(), shutdown.on_stop(forward):
+            assert proc.stdout is not None
+            for raw in proc.stdout:  # keeps streaming after a stop: the checkpoint line persists it
+                line = raw.rstrip("\n")
+                tail.append(line)
+                on_line(line)
+            rc = proc.wait()
     except BaseException:
-        # Interrupted (cancelled task, KeyboardInterrupt): do not leave ranks running.
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        # A second signal, a cancelled task, an error in on_line: do not leave ranks running.
+        shutdown.stop_process_group(proc, (signal.SIGTERM,), timeout=30)
         raise
+    finally:
+        for t in last_resort:
+            t.cancel()
+    preempted = f"exitcode : {shutdown.EXIT_PREEMPTED}" in "\n".join(tail) or rc == shutdown.EXIT_PREEMPTED
+    if forwarded or preempted:
+        done = [ln for ln in tail if ln.startswith("preempted: checkpoint")]
+        raise shutdown.Preempted(
+            f"training stopped by {signal.Signals(forwarded[0]).name if forwarded else 'a signal to the ranks'}: "
+            + (done[-1][len("preempted: "):] if done else
+               f"no new checkpoint (launcher exit status {rc}); the previous one stands")
+        )
     if rc != 0:
         raise TrainingFailed(_failure(rc, tail))
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def rank_pids(launcher_pid: int) -> list[int]:
+    """The rank processes under a launcher (torchrun's workers, the DeepSpeed launcher's
+    children): `-m training.launch` processes that are not a launcher themselves."""
+    found = []
+    for pid in shutdown.descendants(launcher_pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"training.launch" in argv and not any(a.startswith((b"torch.distributed", b"deepspeed.launcher"))
+                                                   for a in argv):
+            found.append(pid)
+    return found
 
 
 def main(argv: list[str]) -> None:
@@ -149,8 +201,10 @@ def main(argv: list[str]) -> None:
 
     from training.loop import train
 
+    spec = json.loads(args.spec.read_text())
+    guard = shutdown.PreemptionGuard(float(spec["train"].get("preempt_grace_s", 25.0))).install()
     try:
-        train(json.loads(args.spec.read_text()))
+        train(spec, guard)
     finally:
         # Tear the process group down before interpreter exit: left to static destructors, gloo's
         # threads can abort a rank ("terminate called without an active exception") after a

@@ -7,6 +7,11 @@ initial weights, packed data, checkpoint and output directories, the checkpoint 
     held-out split -> steps (lr from the schedule, grad_accum micro-batches, router-bias
     update) with a checkpoint every checkpoint_every steps -> held-out score -> export.
 
+Preemption: SIGTERM/SIGINT set a flag (glmforge.shutdown.PreemptionGuard) that every rank
+reduces with the step's metrics, so all ranks agree on the step to stop after; they write a
+checkpoint (the usual format) and exit with EXIT_PREEMPTED. A second signal, or
+`preempt_grace_s` passing first, ends the rank at once; the previous checkpoint stays valid.
+
 Rank 0 prints two kinds of protocol lines the launching stage reacts to:
     GLMFORGE_METRIC {...}       one per step (also appended to metrics.jsonl)
     GLMFORGE_CHECKPOINT {...}   after a checkpoint is complete (the stage persists it)
@@ -26,6 +31,7 @@ import numpy as np
 import torch
 
 from data_processing.packing import PackedDataset
+from glmforge.shutdown import EXIT_PREEMPTED, PreemptionGuard
 from model.config import ModelConfig
 from model.hf import load_state, save_pretrained, save_state
 from model.model import GLMModel, moe_layers
@@ -144,7 +150,8 @@ def train_step(engine, loader: PackedLoader, grad_accum: int, zero_stage: int, g
     return sums, None if grad_norm is None else float(grad_norm), balance
 
 
-def train(spec: dict[str, Any]) -> None:
+def train(spec: dict[str, Any], guard: PreemptionGuard | None = None) -> None:
+    """Raises SystemExit(EXIT_PREEMPTED) after the preemption checkpoint when `guard` fired."""
     cfg = TrainConfig.model_validate(spec["train"])
     model_cfg = ModelConfig.model_validate(spec["model"])
     ckpt_dir, out_dir = Path(spec["checkpoint_dir"]), Path(spec["out_dir"])
@@ -212,7 +219,8 @@ def train(spec: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         sums, grad_norm, balance = train_step(engine, loader, cfg.grad_accum, cfg.zero_stage, gamma, device,
                                               objective)
-        reduced = _all_reduce_sum(list(sums.values()))
+        # the stop flag rides on the metrics' all-reduce: no extra collective per step
+        *reduced, stops = _all_reduce_sum([*sums.values(), float(guard is not None and guard.requested())])
         step += 1
         tokens += tokens_per_step
         dt = time.perf_counter() - t0
@@ -224,8 +232,12 @@ def train(spec: dict[str, Any]) -> None:
                    "expert_load_max_mean": 1.0 + balance["max_violation"]}
             metrics.append(log_path, rec)
             _say(METRIC, {**rec, "total_steps": total})
-        if step % cfg.checkpoint_every == 0 or step == total:
+        if step % cfg.checkpoint_every == 0 or step == total or stops > 0:
             save(engine, ckpt_dir, step, tokens, loader, eval_before, spec, cfg.keep_last, rank, world)
+        if stops > 0 and step < total:
+            if rank == 0:
+                print(f"preempted: checkpoint at step {step} of {total} written; exiting {EXIT_PREEMPTED}", flush=True)
+            raise SystemExit(EXIT_PREEMPTED)
 
     eval_after = evaluate(engine.module, val_ds, cfg.micro_batch_size, cfg.eval_sequences, rank, world)
     if rank == 0:
