@@ -61,6 +61,15 @@ def _store(uri: str | None):
         _fail(str(e))
 
 
+def _stopped(what: str, e: BaseException) -> None:
+    """A stop signal (SIGTERM, Ctrl-C) or a preempted stage: exit 128+signal, not a failure."""
+    from glmforge.shutdown import exit_code
+
+    typer.echo(f"{what} interrupted ({type(e).__name__}: {e}); `glmforge resume STAGE` continues "
+               "from the last checkpoint", err=True)
+    raise typer.Exit(exit_code())
+
+
 def _print_stages(record: dict) -> None:
     for s in record["stages"]:
         extra = f"  {s['error']}" if s.get("error") else ""
@@ -107,8 +116,12 @@ def run(
             return
     from flows.end_to_end import pipeline
 
+    from glmforge.shutdown import Preempted
+
     try:
         result = pipeline(**args)
+    except (KeyboardInterrupt, Preempted) as e:
+        _stopped("pipeline", e)
     except Exception as e:  # the run record already holds the failure; say it plainly
         _fail(f"pipeline failed: {type(e).__name__}: {e}", code=1)
     typer.echo(f"run {result['run']['id']}: {result['run']['state']}")
@@ -134,6 +147,7 @@ def resume(
     if record is None:
         _fail(f"no run recorded in {st.uri}; start one with `glmforge run`")
     from flows.end_to_end import stage as stage_flow
+    from glmforge.shutdown import Preempted
 
     try:
         result = stage_flow(
@@ -144,6 +158,8 @@ def resume(
             store=store or os.environ.get("GLMFORGE_STORE") or st.uri,
             run_id=record.id,
         )
+    except (KeyboardInterrupt, Preempted) as e:
+        _stopped(f"stage {stage}", e)
     except Exception as e:
         _fail(f"stage {stage} failed: {type(e).__name__}: {e}", code=1)
     typer.echo(f"run {result['run']['id']}: {result['run']['state']}")
@@ -248,11 +264,17 @@ def curate(
         if not sep:
             _fail(f"--with {item!r}: expected PARENT=DIR")
         extra[parent] = path
+    from glmforge import shutdown
+
     try:
-        result = run_curate(step, input_path, output, list(set_ or []), extra, preset=preset, seed=seed,
-                            text_field=text_field, text_template=text_template)
+        # a stop signal also ends the step's worker processes, not only their queue
+        with shutdown.on_stop(shutdown.terminate_children):
+            result = run_curate(step, input_path, output, list(set_ or []), extra, preset=preset, seed=seed,
+                                text_field=text_field, text_template=text_template)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         _fail(str(e))
+    except KeyboardInterrupt as e:
+        _stopped(f"curate {step}", e)
     typer.echo(json.dumps(result, indent=2, sort_keys=True, default=str))
 
 
@@ -336,6 +358,9 @@ def serve(
 
 
 def main() -> None:
+    from glmforge import shutdown
+
+    shutdown.install()  # SIGTERM (docker stop, a pod eviction) takes Ctrl-C's path everywhere
     try:
         app()
     except ConfigError as e:

@@ -90,20 +90,15 @@ class LocalPrefect:
         return self
 
     def stop(self) -> None:
-        # A worker needs SIGTERM then SIGINT to stop promptly.
-        for proc, sigs in ((self.worker, (signal.SIGTERM, signal.SIGINT)), (self.server, (signal.SIGTERM,))):
-            if proc is None or proc.poll() is not None:
-                continue
-            for sig in sigs:
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        """Worker first, then server; each process group is waited for and SIGKILLed after
+        20 s, also when its leader exited but left children (uvicorn, a flow run)."""
+        from glmforge.shutdown import shielded, stop_process_group
+
+        with shielded():  # a second Ctrl-C / SIGTERM must not leave the server running
+            # A worker needs SIGTERM then SIGINT to stop promptly.
+            for proc, sigs in ((self.worker, (signal.SIGTERM, signal.SIGINT)), (self.server, (signal.SIGTERM,))):
+                if proc is not None:
+                    stop_process_group(proc, sigs, timeout=20)
 
     def __enter__(self) -> "LocalPrefect":
         return self.start()
@@ -113,15 +108,18 @@ class LocalPrefect:
 
 
 def serve_forever(port: int = 4200, pool: str = "glmforge") -> None:
+    from glmforge.shutdown import install
+
+    install()  # SIGTERM (docker stop, systemd) stops everything as Ctrl-C does
     local = LocalPrefect(port=port, pool=pool)
     print(f"starting Prefect server on 127.0.0.1:{port} ...", flush=True)
     try:
         local.start()
-        print(f"Prefect UI: http://127.0.0.1:{port}  (work pool {pool!r}; Ctrl-C stops everything)", flush=True)
+        print(f"Prefect UI: http://127.0.0.1:{port}  (work pool {pool!r}; Ctrl-C or SIGTERM stops everything)", flush=True)
         while all(p is not None and p.poll() is None for p in (local.server, local.worker)):
             time.sleep(1)
         print("a Prefect process exited; stopping", file=sys.stderr)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM through shutdown.install
         print("\nstopping ...", flush=True)
     finally:
         local.stop()

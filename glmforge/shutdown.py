@@ -182,9 +182,9 @@ def _group_alive(pgid: int) -> bool:
     for pid in _pids():
         try:
             stat = _stat(pid)
-        except OSError:
+        except (OSError, IndexError):
             continue
-        if stat[4] == pgid and stat[2] != "Z":
+        if int(stat[4]) == pgid and stat[2] != "Z":
             return True
     return False
 

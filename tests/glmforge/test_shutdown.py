@@ -1,0 +1,311 @@
+"""glmforge.shutdown and its users: SIGTERM handled like Ctrl-C, child process groups stopped
+with a SIGKILL fallback, the preemption guard (flag, second signal, grace period), run records
+that always end completed/failed/interrupted and never show a dead run as running, and SIGTERM
+to the real commands (serve, run, curate) leaving no process and no port behind."""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from glmforge import shutdown
+from glmforge.config import load_config
+from glmforge.pipeline import get_stage
+from glmforge.runner import Heartbeat, Runner, RunRecord, execute
+from glmforge.store import open_store
+
+REPO = Path(__file__).resolve().parents[2]
+GLMFORGE = str(Path(sys.executable).parent / "glmforge")
+
+
+def _py(code: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def _wait_line(proc: subprocess.Popen, text: str, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        seen.append(line)
+        if text in line:
+            return "".join(seen)
+    raise AssertionError(f"no {text!r} in {''.join(seen)[-2000:]!r}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+# ---------------------------------------------------------------- signals in a command process
+def test_sigterm_raises_keyboard_interrupt_and_deferred_waits_for_a_safe_point():
+    proc = _py("""
+        import time
+        from glmforge import shutdown
+        shutdown.install()
+        try:
+            with shutdown.deferred() as stop_requested:
+                print("ready", flush=True)
+                while not stop_requested():      # the first SIGTERM only sets the flag
+                    time.sleep(0.01)
+                print("safe point", flush=True)
+                time.sleep(30)                   # the second one raises here
+        except KeyboardInterrupt as e:
+            print("interrupted:", e, flush=True)
+            raise SystemExit(shutdown.exit_code())
+    """)
+    _wait_line(proc, "ready")
+    proc.send_signal(signal.SIGTERM)
+    _wait_line(proc, "safe point")
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=20)[0]
+    assert "interrupted: stopped by SIGTERM" in out and proc.returncode == 143
+
+
+# ---------------------------------------------------------------- the preemption guard (training ranks)
+GUARD = """
+    import os, sys, time
+    from glmforge import shutdown
+    guard = shutdown.PreemptionGuard({grace}).install()
+    r, w = os.pipe()
+    print("ready", flush=True)
+    for step in range(1, 10_000):
+        if {block}:
+            os.read(r, 1)              # a collective that never returns: blocked in C
+        time.sleep(0.01)
+        if guard.requested():
+            print("checkpoint at step", step, flush=True)
+            sys.exit(shutdown.EXIT_PREEMPTED)
+"""
+
+
+def test_guard_lets_the_step_finish_and_exits_75():
+    proc = _py(GUARD.format(grace=30, block=False))
+    _wait_line(proc, "ready")
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=20)[0]
+    assert "checkpoint at step" in out and proc.returncode == shutdown.EXIT_PREEMPTED
+
+
+def test_guard_second_signal_exits_at_once_even_when_blocked_in_c():
+    proc = _py(GUARD.format(grace=60, block=True))
+    _wait_line(proc, "ready")
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    assert proc.poll() is None                       # the first one waits for the step
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=10)
+    assert proc.returncode == 143 and time.monotonic() - t0 < 5   # 128 + the first signal
+
+
+def test_guard_grace_period_running_out_exits_at_once():
+    proc = _py(GUARD.format(grace=0.5, block=True))
+    _wait_line(proc, "ready")
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=20)[0]
+    assert proc.returncode == 143 and "checkpoint" not in out
+    assert 0.4 < time.monotonic() - t0 < 10
+
+
+# ---------------------------------------------------------------- process groups
+def test_stop_process_group_kills_a_stubborn_leader_and_its_grandchildren():
+    # a leader that ignores SIGTERM, with a child that outlives it
+    proc = _py("""
+        import signal, subprocess, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+        print("child", child.pid, flush=True)
+        time.sleep(600)
+    """, start_new_session=True)
+    child = int(_wait_line(proc, "child").split()[-1])
+    t0 = time.monotonic()
+    shutdown.stop_process_group(proc, (signal.SIGTERM,), timeout=1.0)
+    assert time.monotonic() - t0 < 10
+    time.sleep(0.2)
+    assert not _alive(proc.pid) and not _alive(child)
+
+
+def test_stop_process_group_cleans_up_members_left_by_an_exited_leader():
+    proc = _py("""
+        import subprocess, sys
+        child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+        print("child", child.pid, flush=True)
+    """, start_new_session=True)
+    child = int(_wait_line(proc, "child").split()[-1])
+    proc.wait(timeout=20)
+    assert _alive(child)
+    shutdown.stop_process_group(proc, timeout=0.5)
+    time.sleep(0.2)
+    assert not _alive(child)
+
+
+def test_pod_grace_period_follows_the_config():
+    cfg = load_config("tiny", None, ["pretrain.preempt_grace_s=100"])
+    assert shutdown.pod_grace_seconds(cfg) == 100 + shutdown.KILL_MARGIN_S + shutdown.TEARDOWN_S
+    template = json.loads((REPO / "deployments/k8s/base-job-template.json").read_text())
+    pod = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == "{{ termination_grace_period_seconds }}"
+    assert template["variables"]["properties"]["termination_grace_period_seconds"]["type"] == "integer"
+    out = subprocess.run([sys.executable, "-m", "glmforge.shutdown", "--preset", "tiny",
+                          "--set", "pretrain.preempt_grace_s=100"], cwd=REPO, capture_output=True, text=True)
+    assert out.stdout.strip() == str(shutdown.pod_grace_seconds(cfg))
+
+
+# ---------------------------------------------------------------- run records
+@pytest.fixture
+def runner(tmp_path):
+    cfg = load_config("tiny", None, None)
+    return Runner(cfg, open_store(str(tmp_path / "store")), home=tmp_path / "home")
+
+
+@pytest.mark.parametrize("error, state", [(KeyboardInterrupt("stopped by SIGTERM"), "interrupted"),
+                                          (shutdown.Preempted("checkpoint at step 3"), "interrupted"),
+                                          (SystemExit(143), "interrupted"),
+                                          (ValueError("bad shard"), "failed")])
+def test_execute_ends_the_record_interrupted_or_failed(runner, error, state):
+    spec = get_stage("ingest")
+    record = RunRecord.new(runner.cfg, {}, [spec.name])
+
+    def run_one(s, parents):
+        raise error
+
+    with pytest.raises(type(error)):
+        execute(runner, [spec], record, run_one=run_one)
+    saved = RunRecord.load(runner.store, record.id)
+    assert saved.state == state and saved.finished and saved.public()["run"]["state"] == state
+    assert saved.stage("ingest")["state"] == state and type(error).__name__ in saved.stage("ingest")["error"]
+
+
+def test_heartbeat_is_refreshed_while_the_run_lives(runner, monkeypatch):
+    record = RunRecord.new(runner.cfg, {}, ["ingest"])
+    record.save(runner.store)
+    with Heartbeat(record, runner.store, period=0.1):
+        first = RunRecord.load(runner.store, record.id)
+        time.sleep(0.5)
+        later = RunRecord.load(runner.store, record.id)
+    assert later.heartbeat > (first.heartbeat or "") and later.pid == os.getpid()
+    assert later.public()["run"]["state"] == "running"
+
+
+def test_a_running_record_whose_process_is_gone_shows_interrupted(runner):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    now = dt.datetime.now(dt.timezone.utc).isoformat()
+    here = dict(host=socket.gethostname(), heartbeat=now, heartbeat_s=30.0)
+    assert RunRecord("a", {}, {}, pid=os.getpid(), **here).shown_state() == "running"
+    assert RunRecord("b", {}, {}, pid=dead.pid, **here).shown_state() == "interrupted"
+    # another host: judged by the heartbeat's age alone
+    old = (dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=100)).isoformat()
+    assert RunRecord("c", {}, {}, pid=1, host="elsewhere", heartbeat=now, heartbeat_s=30.0).shown_state() == "running"
+    assert RunRecord("d", {}, {}, pid=1, host="elsewhere", heartbeat=old, heartbeat_s=30.0).shown_state() == "interrupted"
+    assert RunRecord("e", {}, {}, state="completed", pid=dead.pid, **here).shown_state() == "completed"
+
+
+# ---------------------------------------------------------------- the commands
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _session_members(sid: int) -> list[int]:
+    """Live processes in session sid or in a session led by one of its descendants."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                f = (p / "stat").read_text().rpartition(")")[2].split()
+            except OSError:
+                continue
+            if f[0] != "Z" and int(f[3]) == sid:
+                out.append(int(p.name))
+    return out
+
+
+def test_sigterm_to_serve_stops_server_and_worker_and_frees_the_port(tmp_path):
+    port = _free_port()
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "GLMFORGE_HOME": str(tmp_path / "home")}
+    proc = subprocess.Popen([GLMFORGE, "serve", "--port", str(port), "--pool", "sigterm-test"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = _wait_line(proc, "Prefect UI:", timeout=240)
+    descendants = shutdown.descendants(proc.pid)
+    sessions = {pid for pid in descendants if os.getsid(pid) == pid}   # the server's and the worker's
+    assert len(sessions) >= 2 and _port_open(port), out
+    proc.send_signal(signal.SIGTERM)
+    out += proc.communicate(timeout=90)[0]
+    assert proc.returncode == 0 and "stopping" in out
+    assert [pid for pid in descendants if _alive(pid)] == []
+    assert all(_session_members(s) == [] for s in sessions)
+    assert not _port_open(port)
+
+
+def test_sigterm_to_run_ends_the_run_record_interrupted_and_leaves_no_child(tmp_path):
+    store = tmp_path / "store"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "GLMFORGE_HOME": str(tmp_path / "home"),
+           "GLMFORGE_HEARTBEAT_S": "0.5"}
+    proc = subprocess.Popen([GLMFORGE, "run", "--until", "quality", "--store", str(store)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not (store / "runs" / "LATEST").exists() and proc.poll() is None:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()[0][-3000:]
+    time.sleep(0.5)
+    descendants = shutdown.descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 143, out[-3000:]
+    assert "interrupted" in out
+    record = RunRecord.load(open_store(str(store)))
+    assert record.state == "interrupted" and record.finished
+    status = subprocess.run([GLMFORGE, "status", "--json", "--store", str(store)], cwd=REPO, env=env,
+                            capture_output=True, text=True)
+    assert json.loads(status.stdout)["run"]["state"] == "interrupted"
+    time.sleep(0.5)
+    assert [pid for pid in descendants if _alive(pid)] == []
+
+
+def test_sigterm_to_curate_stops_its_worker_processes(tmp_path):
+    docs = tmp_path / "docs.jsonl"
+    with open(docs, "w") as f:
+        for i in range(15000):  # curate shards by 5000: three shards for two workers
+            f.write(json.dumps({"id": str(i), "text": " ".join(f"w{(i * 7 + j * 13) % 9973}" for j in range(200))}) + "\n")
+    proc = subprocess.Popen([GLMFORGE, "curate", "dedup-minhash", "-i", str(docs), "-o", str(tmp_path / "out"),
+                             "--set", "workers=2"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    deadline = time.monotonic() + 120
+    workers: list[int] = []
+    while time.monotonic() < deadline and proc.poll() is None and len(workers) < 2:
+        workers = shutdown.descendants(proc.pid)
+        time.sleep(0.05)
+    assert len(workers) >= 2, proc.communicate()[0][-3000:]
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 143 and "curate dedup-minhash interrupted" in out, out[-3000:]
+    assert time.monotonic() - t0 < 30
+    time.sleep(0.5)
+    assert [pid for pid in workers if _alive(pid)] == []
