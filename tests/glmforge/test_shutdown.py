@@ -13,7 +13,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -309,3 +308,31 @@ def test_sigterm_to_curate_stops_its_worker_processes(tmp_path):
     assert time.monotonic() - t0 < 30
     time.sleep(0.5)
     assert [pid for pid in workers if _alive(pid)] == []
+
+
+def test_a_preempted_task_ends_failed_preempted_without_an_in_process_retry(prefect_server, runner):
+    import dataclasses
+
+    from prefect import flow
+
+    from glmforge.config import TaskConfig
+    from tasks.stages import run_in_prefect
+
+    calls = []
+
+    def preempted_stage(section, inputs, workdir):
+        calls.append(1)
+        raise shutdown.Preempted("training stopped by SIGTERM: checkpoint at step 3 of 9 written")
+
+    spec = dataclasses.replace(get_stage("ingest"), run=preempted_stage)
+    record = RunRecord.new(runner.cfg, {}, ["ingest"])
+
+    @flow
+    def one_stage():
+        execute(runner, [spec], record, run_one=lambda s, parents: run_in_prefect(
+            s, TaskConfig(retries=2, retry_delay_seconds=0), runner, parents))
+
+    state = one_stage(return_state=True)
+    assert state.is_failed() and "Preempted" in state.message
+    assert calls == [1]                                   # retries=2, yet not retried in this process
+    assert RunRecord.load(runner.store, record.id).state == "interrupted"
