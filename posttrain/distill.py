@@ -1,0 +1,387 @@
+"""The `distill` stage: on-policy cross-stage distillation, then the final INT4 export.
+
+    rl-general (the student), sft / rl-reasoning / rl-agentic (teachers), tokenize --> distill
+
+GLM-5 ends post-training by distilling the earlier stages' final checkpoints back into the last
+RL model, so an RL stage that lowered an earlier domain's accuracy gets it back. Each step:
+  1. for each teacher, `prompts_per_teacher` prompts from its domain, a pure function of
+     (seed, step, teacher):
+        sft           GSM8K train questions (after the lines SFT holds out), thinking off
+        rl-reasoning  synthetic addition (rl.arithmetic train pairs)
+        rl-agentic    addition with the calculator tool declared (the calc_arith environment's
+                      prompt shape; the environments' own multi-turn episodes are not replayed)
+  2. the student samples one response per prompt (group size 1) through the rollout engine;
+  3. the prompt's teacher scores the student's exact token ids (no re-tokenisation: teacher and
+     student must share the tokenizer, which is checked, see check_teacher);
+  4. per token A_t = sg(log pi_teacher - log pi_student_old), and the GRPO + IcePop update with
+     that per-token advantage (rl.opd.opd_loss: the RL core's IS correction, IcePop weights).
+With `use_qat` the student trains with INT4 fake quantization (posttrain.qat, as sft does): the
+final exported INT4 model (export/int4, int4/) is the distilled one, the end of the chain.
+
+Evals: posttrain.gates on every teacher, the student before and the result after: the full
+table sft -> rl-reasoning -> rl-agentic -> rl-general -> distill (gates.md / gates.png), and per
+teacher domain the teacher's, the student's before and after values with the share of the gap
+recovered (`recovery`, (after - before) / (teacher - before) where the student was behind).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from data_processing.tokenizer import load_tokenizer
+from glmforge import shutdown
+from glmforge.stage import StageSpec, Workdir
+from model.hf import load_state
+from model.model import GLMModel, indexer_parameters
+from posttrain import gates
+from posttrain.chat_template import STOP_TOKENS
+from posttrain.gates import EVALS, GateConfig
+from posttrain.qat import QATConfig, prepare_qat, ptq_int4, remove_qat, save_int4
+from rl import arithmetic
+from rl.grpo import UpdateParams, collate, recompute_old_logprobs
+from rl.loss import token_logprobs
+from rl.opd import opd_loss, token_advantages
+from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
+from rl.sample import Sample, Status, Task
+from rl.tasks import gsm8k_tasks
+from training import checkpoint, metrics
+from training.loop import export
+
+log = logging.getLogger("glmforge")
+STATE = "state.pt"
+TEACHERS = ("sft", "rl-reasoning", "rl-agentic")
+# the evals that measure each teacher's domain
+DOMAIN_EVALS = {"sft": ("gsm8k_acc", "heldout_ppl"), "rl-reasoning": ("arithmetic_acc",),
+                "rl-agentic": ("tool_call_validity", "arithmetic_acc")}
+
+
+class DistillConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    steps: int = Field(100, ge=1)
+    teachers: tuple[str, ...] = Field(TEACHERS, description="teacher stages (their domains' prompts)")
+    prompts_per_teacher: int = Field(32, ge=1, description="prompts per teacher per step (group size 1)")
+    lr: float = Field(1e-6, ge=0)
+    betas: tuple[float, float] = (0.9, 0.98)
+    grad_clip: float = Field(1.0, gt=0)
+    eps_low: float = Field(0.2, ge=0, lt=1)
+    eps_high: float = Field(0.28, ge=0)
+    icepop_beta: Optional[float] = Field(2.0, gt=1)
+    adv_clip: Optional[float] = Field(5.0, gt=0, description="clip |A_t| (nats); null: no clip")
+    minibatches: int = Field(1, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(256, ge=1)
+    rollout_int4: Optional[QATConfig] = None
+    rollout_batch: int = Field(256, ge=1)
+    gsm8k_path: str = "{samples}/gsm8k/train.jsonl"
+    gsm8k_skip: int = Field(200, ge=0)
+    use_qat: bool = Field(True, description="train with INT4 fake quantization; the INT4 export is the final model")
+    qat: QATConfig = QATConfig()
+    export_hf: bool = Field(True, description="export/full + export/int4 (HF layout) besides int4/")
+    gates: GateConfig = GateConfig()
+    checkpoint_every: int = Field(20, ge=1)
+    keep_last: int = Field(2, ge=1)
+
+    @field_validator("teachers")
+    @classmethod
+    def _teachers(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        bad = sorted(set(v) - set(TEACHERS))
+        if bad or not v:
+            raise ValueError(f"teachers must be a non-empty subset of {TEACHERS}, got {list(v)}")
+        return v
+
+
+# ---------------------------------------------------------------- teachers
+def check_teacher(name: str, teacher_dir: Path, teacher: GLMModel, tokenizer, student: GLMModel) -> None:
+    """Refuse a teacher that cannot score the student's token ids: a different vocabulary size, or
+    a tokenizer (its artifact's hf/tokenizer.json) whose token -> id map differs from the student's."""
+    tv, sv = teacher.config.vocab_size, student.config.vocab_size
+    if tv != sv:
+        raise ValueError(f"distill: teacher {name!r} ({teacher_dir}) has vocab_size {tv}, the student {sv}: "
+                         "on-policy distillation scores the student's exact token ids, so teacher and student "
+                         "must share one tokenizer")
+    tok_file = Path(teacher_dir) / "hf" / "tokenizer.json"
+    if tok_file.exists():
+        from tokenizers import Tokenizer
+
+        theirs, ours = Tokenizer.from_file(str(tok_file)).get_vocab(), tokenizer.get_vocab()
+        if theirs != ours:
+            diff = sorted(set(theirs.items()) ^ set(ours.items()))[:3]
+            raise ValueError(f"distill: teacher {name!r}'s tokenizer ({tok_file}) differs from the student's "
+                             f"({len(theirs)} vs {len(ours)} tokens; e.g. {diff}): on-policy distillation scores "
+                             "the student's exact token ids, so teacher and student must share one tokenizer")
+
+
+def domain_prompts(teacher: str, cfg: DistillConfig, seed: int) -> tuple[list[Task], Optional[list[dict]]]:
+    """(task pool, tools declared in the prompt) of a teacher's domain."""
+    if teacher == "sft":
+        return gsm8k_tasks(cfg.gsm8k_path, cfg.gsm8k_skip), None
+    pool = [arithmetic.task(a, b) for a, b in arithmetic.pairs("train")]
+    if teacher == "rl-reasoning":
+        return pool, None
+    from training.sft_data import CALCULATOR
+
+    return pool, [CALCULATOR]
+
+
+def draw(pool: list[Task], n: int, seed: int, step: int, teacher: str) -> list[Task]:
+    rng = random.Random(f"{seed}/{step}/{teacher}")
+    return [rng.choice(pool) for _ in range(n)]
+
+
+@torch.no_grad()
+def teacher_logprobs(teacher: GLMModel, samples: list[Sample], pad_id: int, chunk: int = 64) -> list[list[float]]:
+    """log pi_teacher of each response token of the student's samples, on their exact ids."""
+    out: list[list[float]] = []
+    for i in range(0, len(samples), chunk):
+        part = samples[i:i + chunk]
+        b = collate(part, pad_id)
+        logp = token_logprobs(teacher(b["input_ids"], attention_mask=b["attention_mask"]).logits, b["targets"])
+        for k, s in enumerate(part):
+            start = len(s.prompt_ids) - 1
+            out.append(logp[k, start:start + len(s.response_ids)].tolist())
+    return out
+
+
+def _aligned(samples: list[Sample], values: list[list[float]], like: torch.Tensor) -> torch.Tensor:
+    t = torch.zeros_like(like, dtype=torch.float)
+    for b, (s, v) in enumerate(zip(samples, values)):
+        start = len(s.prompt_ids) - 1
+        t[b, start:start + len(v)] = torch.tensor(v)
+    return t
+
+
+def distill_update(model: GLMModel, opt: torch.optim.Optimizer, samples: list[Sample], teacher_lps: list[list[float]],
+                   pad_id: int, params: UpdateParams, adv_clip: Optional[float], generator: torch.Generator
+                   ) -> dict[str, float]:
+    """pi_old recompute, then `minibatches` optimizer steps of rl.opd.opd_loss."""
+    keep = [i for i, s in enumerate(samples) if s.trainable]
+    train = [samples[i] for i in keep]
+    lps = [teacher_lps[i] for i in keep]
+    if not train:
+        return {}
+    recompute_old_logprobs(model, train, pad_id, params.temperature)
+    totals: dict[str, float] = {}
+    steps = 0
+    model.train()
+    order = torch.randperm(len(train), generator=generator).tolist()
+    size = -(-len(train) // params.minibatches)
+    for k in range(0, len(train), size):
+        idx = order[k:k + size]
+        part = [train[j] for j in idx]
+        b = collate(part, pad_id)
+        logp = token_logprobs(model(b["input_ids"], attention_mask=b["attention_mask"]).logits, b["targets"],
+                             params.temperature)
+        adv = token_advantages(_aligned(part, [lps[j] for j in idx], b["targets"]), b["train_logprobs"],
+                               b["response_mask"], adv_clip)
+        loss, stats = opd_loss(logp, b["train_logprobs"], b["rollout_logprobs"], adv, b["response_mask"],
+                               params.eps_low, params.eps_high, params.icepop_beta)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], params.grad_clip)
+        opt.step()
+        for key, v in {**stats, "loss": float(loss.detach()), "grad_norm": float(gnorm)}.items():
+            totals[key] = totals.get(key, 0.0) + v
+        steps += 1
+    return {k: v / steps for k, v in totals.items()}
+
+
+def distill_step(engine: RolloutEngine, model: GLMModel, opt: torch.optim.Optimizer,
+                 teachers: dict[str, GLMModel], prompts: dict[str, list[list[int]]], pad_id: int,
+                 sampling: SamplingParams, params: UpdateParams, adv_clip: Optional[float], gen: torch.Generator,
+                 step: int, tasks: Optional[dict[str, list[Task]]] = None) -> dict[str, Any]:
+    """One step (module doc 2-4) on prompt token ids per teacher; returns the step's statistics."""
+    engine.sync(model, step)
+    samples, owner = [], []
+    for name, ps in prompts.items():
+        for i, ids in enumerate(ps):
+            task = tasks[name][i] if tasks else Task(name, "", "")
+            samples.append(Sample(task, len(samples), list(ids)))       # group size 1: a group per sample
+            owner.append(name)
+    engine.generate(samples, sampling, gen)
+    lps: list[list[float]] = [[] for _ in samples]
+    for name, teacher in teachers.items():
+        idx = [i for i, o in enumerate(owner) if o == name]
+        for i, lp in zip(idx, teacher_logprobs(teacher, [samples[i] for i in idx], pad_id)):
+            lps[i] = lp
+    rec: dict[str, Any] = distill_update(model, opt, samples, lps, pad_id, params, adv_clip, gen)
+    for name in teachers:
+        idx = [i for i, o in enumerate(owner) if o == name and samples[i].trainable]
+        gaps = [t - s for i in idx for t, s in zip(lps[i], samples[i].train_logprobs or [])]
+        if gaps:
+            rec[f"reverse_kl/{name}"] = -sum(gaps) / len(gaps)
+    rec["response_length"] = sum(len(s.response_ids) for s in samples) / len(samples)
+    rec["truncated_fraction"] = sum(s.status == Status.TRUNCATED for s in samples) / len(samples)
+    return rec
+
+
+# ---------------------------------------------------------------- recovery
+def recovery(teacher: dict[str, float], before: dict[str, float], after: dict[str, float], names: tuple[str, ...]
+             ) -> dict[str, dict[str, Any]]:
+    """Per eval: teacher / before / after and, where the student was behind the teacher, the share
+    of the gap recovered ((after - before) / (teacher - before); 1 = all of it)."""
+    out = {}
+    for n in names:
+        sign = EVALS[n]
+        gap = sign * (teacher[n] - before[n])
+        rec = sign * (after[n] - before[n]) / gap if gap > 1e-12 else None
+        out[n] = {"teacher": teacher[n], "before": before[n], "after": after[n], "recovered": rec}
+    return out
+
+
+# ---------------------------------------------------------------- the stage
+def _save(root: Path, step: int, model, opt, gen, meta: dict[str, Any], keep: int) -> None:
+    tag = checkpoint.tag_for(step)
+    shutil.rmtree(root / tag, ignore_errors=True)
+    (root / tag).mkdir(parents=True)
+    with checkpoint.saving(root, tag):
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "rollout_rng": gen.get_state()},
+                   root / tag / STATE)
+    checkpoint.finalize(root, tag, {"step": step, **meta}, keep)
+
+
+def run_distill(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
+    tokenizer = load_tokenizer(inputs["tokenize"])
+    model = load_state(inputs["rl-general"] / "consolidated.safetensors")
+    teachers: dict[str, GLMModel] = {}
+    for name in cfg.teachers:
+        t = load_state(inputs[name] / "consolidated.safetensors")
+        check_teacher(name, inputs[name], t, tokenizer, model)
+        t.eval()
+        for p in t.parameters():
+            p.requires_grad_(False)
+        teachers[name] = t
+    for p in indexer_parameters(model):
+        p.requires_grad_(False)
+    stop_ids = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
+    pad_id = tokenizer.token_to_id("<|pad|>")
+    seed = workdir.seed
+    torch.manual_seed(seed)
+    pools = {n: domain_prompts(n, cfg, seed) for n in cfg.teachers}
+    root, log_path = workdir.checkpoint / "ckpt", workdir.checkpoint / "metrics.jsonl"
+
+    found = checkpoint.select_resume(root)
+    if found is None:
+        before = gates.measure(model, tokenizer, cfg.gates.evals, seed)
+        teacher_evals = {n: gates.measure(t, tokenizer, cfg.gates.evals, seed) for n, t in teachers.items()}
+    if cfg.use_qat:
+        prepare_qat(model, cfg.qat)      # names unchanged: checkpoints and engine syncs stay plain copies
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=cfg.betas,
+                            weight_decay=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    if found is None:
+        start = 0
+        log_path.unlink(missing_ok=True)
+    else:
+        tag, meta = found
+        st = torch.load(root / tag / STATE, weights_only=True)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["optimizer"])
+        gen.set_state(st["rollout_rng"])
+        start, before, teacher_evals = meta["step"], meta["before"], meta["teacher_evals"]
+        metrics.truncate(log_path, start)
+        log.info("distill: resuming after step %d", start)
+    engine = RolloutEngine(model, tokenizer, stop_ids, pad_id, int4=cfg.rollout_int4, batch_size=cfg.rollout_batch)
+    sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
+    params = UpdateParams(cfg.eps_low, cfg.eps_high, cfg.icepop_beta, cfg.minibatches, 1, cfg.temperature,
+                          False, cfg.grad_clip)
+    with shutdown.deferred() as stop_requested:
+        for step in range(start + 1, cfg.steps + 1):
+            t0 = time.perf_counter()
+            tasks = {n: draw(pools[n][0], cfg.prompts_per_teacher, seed, step, n) for n in cfg.teachers}
+            prompts = {n: [prompt_ids(tokenizer, t, pools[n][1]) for t in ts] for n, ts in tasks.items()}
+            rec = distill_step(engine, model, opt, teachers, prompts, pad_id, sampling, params, cfg.adv_clip, gen,
+                               step, tasks)
+            rec.update(step=step, step_s=time.perf_counter() - t0)
+            metrics.append(log_path, rec)
+            workdir.progress(step, cfg.steps, f"distill reverse KL {rec.get('reverse_kl', float('nan')):.3f}")
+            stop = stop_requested() and step < cfg.steps
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps or stop:
+                _save(root, step, model, opt, gen, {"before": before, "teacher_evals": teacher_evals}, cfg.keep_last)
+                workdir.persist_checkpoint()
+            if stop:
+                raise shutdown.Preempted(f"distill stopped by a signal: checkpoint at step {step} of {cfg.steps}")
+    if cfg.use_qat:
+        remove_qat(model)            # the full-precision weights QAT trained; INT4 is exported from them
+    after = gates.measure(model, tokenizer, cfg.gates.evals, seed)
+    int4_after = gates.measure(ptq_int4(model, cfg.qat), tokenizer, cfg.gates.evals, seed)
+    return publish(cfg, model, inputs, workdir.out, metrics.read(log_path), before, after, int4_after, teacher_evals)
+
+
+def chain_parent(inputs: dict[str, Path], teacher_evals: dict[str, dict[str, float]], before: dict[str, float]
+                 ) -> dict[str, Any]:
+    """rl-general's gate chain, with any teacher stage it lacks filled in from the teachers'
+    measured evals (a stage without gates.json, e.g. an rl-agentic built before the gates)."""
+    parent = gates.read_chain(inputs.get("rl-general")) or {"chain": [{"stage": "rl-general", "evals": before}],
+                                                            "gates": {}}
+    have = {c["stage"] for c in parent["chain"]}
+    missing = [{"stage": n, "evals": teacher_evals[n]} for n in TEACHERS if n in teacher_evals and n not in have]
+    return {"chain": missing + parent["chain"], "gates": parent["gates"]}
+
+
+def publish(cfg: DistillConfig, model: GLMModel, inputs: dict[str, Path], out: Path, records: list[dict[str, Any]],
+            before: dict[str, float], after: dict[str, float], int4_after: dict[str, float],
+            teacher_evals: dict[str, dict[str, float]]) -> dict[str, Any]:
+    domains = {n: recovery(teacher_evals[n], before, after, DOMAIN_EVALS[n]) for n in cfg.teachers}
+    rec_values = [e["recovered"] for d in domains.values() for e in d.values() if e["recovered"] is not None]
+    k = max(1, len(records) // 10)
+    result: dict[str, Any] = {
+        "steps": len(records),
+        "reverse_kl": {"first": sum(r.get("reverse_kl", 0.0) for r in records[:k]) / k,
+                       "last": sum(r.get("reverse_kl", 0.0) for r in records[-k:]) / k},
+        "reverse_kl_per_teacher": {n: {"first": records[0].get(f"reverse_kl/{n}"), "last": records[-1].get(f"reverse_kl/{n}")}
+                                   for n in cfg.teachers},
+        "domain_accuracy": domains,
+        "min_recovered": min(rec_values) if rec_values else None,
+        "icepop_masked_fraction": sum(r.get("icepop_masked_fraction", 0.0) for r in records) / len(records),
+        "int4_evals": int4_after,
+        "qat": cfg.use_qat,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    num = sorted({k for r in records for k, v in r.items() if isinstance(v, (int, float)) and k != "step"})
+    metrics.write_tensorboard(records, out / "tensorboard", keys=num)
+    plot(records, out / "distill.png", cfg.teachers)
+    result["gates"] = gates.finish("distill", out, chain_parent(inputs, teacher_evals, before), "rl-general", before,
+                                   after, cfg.gates.tolerances)
+    export(model, out, str(inputs["tokenize"]), {k: v for k, v in after.items()})
+    save_int4(model, cfg.qat, out / "int4")
+    if cfg.export_hf:
+        from posttrain.export_int4 import export_all
+
+        export_all(model, cfg.qat, out / "export", inputs["tokenize"])
+    return result
+
+
+def plot(records: list[dict[str, Any]], png: Path, teachers: tuple[str, ...]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [r["step"] for r in records]
+    for n in teachers:
+        ax.plot(steps, [r.get(f"reverse_kl/{n}", float("nan")) for r in records], label=f"KL(student || {n})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("nats / token (on student samples)")
+    ax.set_title("distill: on-policy cross-stage distillation")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+STAGE = StageSpec("distill", "distill", DistillConfig, run_distill,
+                  parents=("rl-general", "sft", "rl-reasoning", "rl-agentic", "tokenize"))
+STAGES: list[StageSpec] = [STAGE]

@@ -1,0 +1,340 @@
+"""The `reward-model` stage: an outcome reward model (ORM) for general RL, Bradley-Terry on
+preference pairs built from the repo's real data.
+
+    sft (weights), tokenize (tokenizer) --> reward-model
+
+The model: the SFT GLM model with a scalar head, r(x, y) = w . norm(h_last) + b, h_last the last
+hidden state at the conversation's last token (user prompt + assistant reply, chat template,
+thinking off; left-truncated to `max_len` tokens so the end of the reply, where the corruptions
+below live, is always seen). Loss: Bradley-Terry, -log sigmoid(r(x, y_chosen) - r(x, y_rejected)).
+
+The pairs (chosen = a reference answer, rejected = the same answer damaged; one pair per problem):
+    gsm8k       GSM8K train problems after the lines SFT holds out (`gsm8k_skip`). Chosen: the human
+                rationale + "#### answer". Rejected, alternating by problem:
+                  wrong_number  the same rationale with a wrong final number (answer + d, d != 0)
+                  truncated     the first half of the rationale's lines, no final answer
+    mbpp        MBPP training ids (601-974). Chosen: the reference code. Rejected: one mutation
+                that breaks it (a comparison, arithmetic operator or boolean flipped; with none
+                present, the last half of the lines dropped)
+    arithmetic  rl.arithmetic train pairs. Chosen: the sum's digits; rejected: one digit wrong
+A pair is held out when crc32(prompt) % 100 < heldout_percent: the held-out pairwise accuracy
+(the share of held-out pairs scored chosen > rejected; a tie counts one half) is the stage's
+headline number, also read by rl-general. The construction is deterministic given the seed.
+
+Artifact: backbone.safetensors (model.hf.save_state), head.safetensors, orm.json (metrics and
+max_len), metrics.jsonl, loss.png. Checkpoints (training.checkpoint) hold model, head, optimizer
+and step; each step's minibatch is a pure function of (seed, step), so resume is exact.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+import shutil
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+from safetensors.torch import load_file, save_file
+
+from data_processing.tokenizer import load_tokenizer
+from glmforge.stage import StageSpec, Workdir
+from model.hf import load_state, save_state
+from model.model import GLMModel, indexer_parameters
+from posttrain.chat_template import Message, encode
+from rl import arithmetic
+from rl.tasks import MBPP_TRAIN_IDS
+from training import checkpoint, metrics
+
+log = logging.getLogger("glmforge")
+STATE = "state.pt"
+
+
+class RewardModelConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    steps: int = Field(200, ge=1)
+    batch_pairs: int = Field(16, ge=1, description="preference pairs per optimizer step")
+    lr: float = Field(1e-5, gt=0)
+    grad_clip: float = Field(1.0, gt=0)
+    max_len: int = Field(512, ge=8, description="tokens per conversation (the last ones are kept)")
+    gsm8k_path: str = "{samples}/gsm8k/train.jsonl"
+    gsm8k_skip: int = Field(200, ge=0, description="GSM8K train lines SFT holds out")
+    gsm8k_pairs: int = Field(2000, ge=0)
+    mbpp_path: str = "{samples}/mbpp/mbpp.jsonl"
+    mbpp_pairs: int = Field(374, ge=0)
+    arithmetic_pairs: int = Field(500, ge=0)
+    heldout_percent: int = Field(10, ge=1, le=50)
+    eval_batch: int = Field(32, ge=1)
+    checkpoint_every: int = Field(50, ge=1)
+    keep_last: int = Field(2, ge=1)
+
+
+# ---------------------------------------------------------------- pairs
+@dataclass(frozen=True)
+class Pair:
+    kind: str            # gsm8k/wrong_number, gsm8k/truncated, mbpp/mutated, arithmetic/digit
+    prompt: str
+    chosen: str
+    rejected: str
+
+
+_MUTATIONS = [("==", "!="), ("!=", "=="), ("<=", ">"), (">=", "<"), (" < ", " >= "), (" > ", " <= "),
+              (" + ", " - "), (" - ", " + "), (" * ", " + "), ("True", "False"), ("False", "True"),
+              (" and ", " or "), (" or ", " and ")]
+
+
+def mutate_code(code: str, rng: random.Random) -> str:
+    """One behaviour-changing edit of the code (module doc)."""
+    options = [(a, b) for a, b in _MUTATIONS if a in code]
+    if options:
+        a, b = rng.choice(options)
+        spots = [m.start() for m in re.finditer(re.escape(a), code)]
+        i = rng.choice(spots)
+        return code[:i] + b + code[i + len(a):]
+    lines = code.rstrip().split("\n")
+    return "\n".join(lines[: max(1, len(lines) // 2)]) + ("\n" if len(lines) > 1 else "\n    pass\n")
+
+
+def gsm8k_pairs(path: str, skip: int, n: int, seed: int) -> list[Pair]:
+    from training.sft_data import read_gsm8k
+
+    rng = random.Random(seed)
+    out = []
+    for i, p in enumerate(read_gsm8k(path)[skip:skip + n]):
+        chosen = f"{p.rationale}\n#### {p.answer}"
+        if i % 2 == 0:
+            try:
+                wrong = float(p.answer) + rng.choice([-1, 1]) * rng.randint(1, 9)
+                wrong_s = str(int(wrong)) if wrong == int(wrong) else str(wrong)
+            except ValueError:
+                wrong_s = p.answer + "0"
+            out.append(Pair("gsm8k/wrong_number", p.question, chosen, f"{p.rationale}\n#### {wrong_s}"))
+        else:
+            lines = p.rationale.split("\n")
+            cut = "\n".join(lines[: max(1, len(lines) // 2)])
+            if len(lines) == 1:
+                cut = p.rationale[: max(1, len(p.rationale) // 2)]
+            out.append(Pair("gsm8k/truncated", p.question, chosen, cut))
+    return out
+
+
+def mbpp_pairs(path: str, n: int, seed: int) -> list[Pair]:
+    from data_processing.common import expand_path
+
+    rng = random.Random(seed + 1)
+    p = expand_path(path)
+    out = []
+    for ln, line in enumerate(Path(p).read_text(encoding="utf-8").split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            tid, code, tests = int(rec["task_id"]), str(rec["code"]), list(rec["test_list"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{p}:{ln}: not an MBPP record ({e})") from None
+        if tid not in MBPP_TRAIN_IDS:
+            continue
+        code = code.replace("\r\n", "\n")
+        bad = mutate_code(code, rng)
+        if bad != code:
+            prompt = f"{rec['text'].strip()} Your code should pass this test:\n{tests[0]}"
+            out.append(Pair("mbpp/mutated", prompt, f"```python\n{code}\n```", f"```python\n{bad}\n```"))
+        if len(out) >= n:
+            break
+    return out
+
+
+def arithmetic_pairs(n: int, seed: int) -> list[Pair]:
+    rng = random.Random(seed + 2)
+    return [Pair("arithmetic/digit", t.prompt, t.answer, arithmetic.corrupted(t.answer, rng))
+            for t in arithmetic.tasks(n, "train", seed)]
+
+
+def build_pairs(cfg: RewardModelConfig, seed: int) -> tuple[list[Pair], list[Pair]]:
+    """(train, held out), split by a hash of the prompt."""
+    pairs = (gsm8k_pairs(cfg.gsm8k_path, cfg.gsm8k_skip, cfg.gsm8k_pairs, seed)
+             + mbpp_pairs(cfg.mbpp_path, cfg.mbpp_pairs, seed) + arithmetic_pairs(cfg.arithmetic_pairs, seed))
+    if not pairs:
+        raise ValueError("reward-model: no preference pairs (gsm8k_pairs, mbpp_pairs, arithmetic_pairs all 0?)")
+    held = [p for p in pairs if zlib.crc32(p.prompt.encode()) % 100 < cfg.heldout_percent]
+    train = [p for p in pairs if zlib.crc32(p.prompt.encode()) % 100 >= cfg.heldout_percent]
+    if not train or not held:
+        raise ValueError(f"reward-model: {len(train)} train / {len(held)} held-out pairs; need both > 0")
+    return train, held
+
+
+def pair_text_ids(tokenizer, prompt: str, reply: str, max_len: int) -> list[int]:
+    ids = encode(tokenizer, [Message("user", prompt, thinking=False), Message("assistant", reply)],
+                 thinking_mode="turn").ids
+    return ids[-max_len:]
+
+
+def pairwise_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> float:
+    """Share of pairs scored chosen > rejected; a tie counts one half."""
+    if chosen.shape != rejected.shape or chosen.numel() == 0:
+        raise ValueError(f"pairwise_accuracy: shapes {tuple(chosen.shape)} / {tuple(rejected.shape)}")
+    return float(((chosen > rejected).float() + 0.5 * (chosen == rejected).float()).mean())
+
+
+# ---------------------------------------------------------------- the model
+class RewardModel(torch.nn.Module):
+    def __init__(self, backbone: GLMModel, pad_id: int):
+        super().__init__()
+        self.backbone, self.pad_id = backbone, pad_id
+        self.head = torch.nn.Linear(backbone.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.head.weight)      # start at r = 0 everywhere: no prior preference
+        torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, ids: list[list[int]]) -> torch.Tensor:
+        """Right-padded batch -> one score per sequence [B]."""
+        T = max(len(x) for x in ids)
+        x = torch.full((len(ids), T), self.pad_id, dtype=torch.long)
+        att = torch.zeros_like(x)
+        for b, s in enumerate(ids):
+            x[b, : len(s)] = torch.tensor(s)
+            att[b, : len(s)] = 1
+        h = self.backbone(x, attention_mask=att, return_hidden=True, compute_mtp=False).hidden
+        last = h[torch.arange(len(ids)), torch.tensor([len(s) - 1 for s in ids])]
+        return self.head(self.backbone.norm(last).float()).squeeze(-1)
+
+    @torch.no_grad()
+    def score_ids(self, ids: list[list[int]], batch: int = 32) -> torch.Tensor:
+        was = self.training
+        self.eval()
+        try:
+            return torch.cat([self(ids[i:i + batch]) for i in range(0, len(ids), batch)])
+        finally:
+            self.train(was)
+
+
+def save_reward_model(rm: RewardModel, out: Path, info: dict[str, Any]) -> None:
+    save_state(rm.backbone, out / "backbone.safetensors")
+    save_file({k: v.detach().contiguous() for k, v in rm.head.state_dict().items()}, str(out / "head.safetensors"))
+    (out / "orm.json").write_text(json.dumps(info, indent=1))
+
+
+def load_reward_model(d: Path, pad_id: int) -> tuple[RewardModel, dict[str, Any]]:
+    d = Path(d)
+    for f in ("backbone.safetensors", "head.safetensors", "orm.json"):
+        if not (d / f).exists():
+            raise FileNotFoundError(f"{d}: not a reward-model artifact (no {f})")
+    rm = RewardModel(load_state(d / "backbone.safetensors"), pad_id)
+    rm.head.load_state_dict(load_file(str(d / "head.safetensors")))
+    rm.eval()
+    return rm, json.loads((d / "orm.json").read_text())
+
+
+@torch.no_grad()
+def heldout_accuracy(rm: RewardModel, chosen: list[list[int]], rejected: list[list[int]], kinds: list[str],
+                     batch: int) -> dict[str, Any]:
+    c, r = rm.score_ids(chosen, batch), rm.score_ids(rejected, batch)
+    per_kind = {}
+    for k in sorted(set(kinds)):
+        sel = torch.tensor([x == k for x in kinds])
+        per_kind[k] = pairwise_accuracy(c[sel], r[sel])
+    return {"accuracy": pairwise_accuracy(c, r), "per_kind": per_kind, "n": len(kinds),
+            "margin": float((c - r).mean())}
+
+
+# ---------------------------------------------------------------- the stage
+def run_reward_model(cfg: RewardModelConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
+    tokenizer = load_tokenizer(inputs["tokenize"])
+    backbone = load_state(inputs["sft"] / "consolidated.safetensors")
+    for p in indexer_parameters(backbone):
+        p.requires_grad_(False)
+    pad_id = tokenizer.token_to_id("<|pad|>")
+    seed = workdir.seed
+    torch.manual_seed(seed)
+    rm = RewardModel(backbone, pad_id)
+    train, held = build_pairs(cfg, seed)
+    enc = lambda ps, side: [pair_text_ids(tokenizer, p.prompt, getattr(p, side), cfg.max_len) for p in ps]  # noqa: E731
+    tr_c, tr_r = enc(train, "chosen"), enc(train, "rejected")
+    he_c, he_r, kinds = enc(held, "chosen"), enc(held, "rejected"), [p.kind for p in held]
+    opt = torch.optim.AdamW([p for p in rm.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
+    root, log_path = workdir.checkpoint / "ckpt", workdir.checkpoint / "metrics.jsonl"
+
+    found = checkpoint.select_resume(root)
+    if found is None:
+        start, before = 0, heldout_accuracy(rm, he_c, he_r, kinds, cfg.eval_batch)
+        log_path.unlink(missing_ok=True)
+    else:
+        tag, meta = found
+        st = torch.load(root / tag / STATE, weights_only=True)
+        rm.load_state_dict(st["model"])
+        opt.load_state_dict(st["optimizer"])
+        start, before = meta["step"], meta["before"]
+        metrics.truncate(log_path, start)
+        log.info("reward-model: resuming after step %d", start)
+    rm.train()
+    for step in range(start + 1, cfg.steps + 1):
+        rng = random.Random(seed * 1_000_003 + step)
+        idx = [rng.randrange(len(train)) for _ in range(cfg.batch_pairs)]
+        scores = rm([tr_c[i] for i in idx] + [tr_r[i] for i in idx])
+        c, r = scores[: len(idx)], scores[len(idx):]
+        loss = -F.logsigmoid(c - r).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_([p for p in rm.parameters() if p.requires_grad], cfg.grad_clip)
+        opt.step()
+        rec = {"step": step, "loss": float(loss.detach()), "train_pair_accuracy": pairwise_accuracy(c.detach(), r.detach()),
+               "margin": float((c - r).mean()), "grad_norm": float(gnorm)}
+        metrics.append(log_path, rec)
+        workdir.progress(step, cfg.steps, f"reward-model loss {rec['loss']:.3f}")
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            tag = checkpoint.tag_for(step)
+            shutil.rmtree(root / tag, ignore_errors=True)
+            (root / tag).mkdir(parents=True)
+            with checkpoint.saving(root, tag):
+                torch.save({"model": rm.state_dict(), "optimizer": opt.state_dict()}, root / tag / STATE)
+            checkpoint.finalize(root, tag, {"step": step, "before": before}, cfg.keep_last)
+            workdir.persist_checkpoint()
+    after = heldout_accuracy(rm, he_c, he_r, kinds, cfg.eval_batch)
+    records = metrics.read(log_path)
+    out = workdir.out
+    kinds_count: dict[str, int] = {}
+    for p in train + held:
+        kinds_count[p.kind] = kinds_count.get(p.kind, 0) + 1
+    result = {
+        "steps": len(records),
+        "pairs": {"train": len(train), "heldout": len(held), "by_kind": kinds_count},
+        "heldout_pairwise_accuracy": {"before": before["accuracy"], "after": after["accuracy"], "n": after["n"]},
+        "heldout_accuracy_per_kind": after["per_kind"],
+        "loss": {"first": records[0]["loss"], "last": records[-1]["loss"]} if records else None,
+    }
+    save_reward_model(rm, out, {"heldout_pairwise_accuracy": after["accuracy"], "per_kind": after["per_kind"],
+                                "n": after["n"], "max_len": cfg.max_len})
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    if records:
+        plot(records, out / "loss.png", result)
+    return result
+
+
+def plot(records: list[dict[str, Any]], png: Path, result: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [r["step"] for r in records]
+    ax.plot(steps, [r["loss"] for r in records], label="Bradley-Terry loss")
+    ax.plot(steps, [r["train_pair_accuracy"] for r in records], label="train pair accuracy", alpha=0.6)
+    h = result["heldout_pairwise_accuracy"]
+    ax.scatter([0, steps[-1]], [h["before"], h["after"]], color="red", zorder=3, label="held-out pairwise accuracy")
+    ax.set_xlabel("step")
+    ax.set_title("reward-model (ORM)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+STAGE = StageSpec("reward-model", "reward_model", RewardModelConfig, run_reward_model, parents=("sft", "tokenize"))
+STAGES: list[StageSpec] = [STAGE]

@@ -1,0 +1,366 @@
+"""The `rl-general` stage: GRPO on general chat prompts with a hybrid reward (GLM-5 section 4.4).
+
+    rl-agentic (weights), reward-model (ORM), sft (the GRM's weights), tokenize --> rl-general
+
+Prompts: GSM8K train questions (after the lines SFT holds out), MBPP training descriptions and
+synthetic addition, drawn by `prompts` weights; one user turn, thinking off. Each step:
+  1. the rollout engine takes the policy's weights; `prompts_per_step` x `group_size` samples;
+  2. the hybrid reward (rl.judges): rules (format via parse_assistant on the raw text with its
+     special tokens, language), the ORM (the reward-model stage's scalar head, sigmoid) and the
+     GRM (the SFT checkpoint prompted with a rubric through its own RolloutEngine, a 0-10 score),
+     weighted by `weights` (renormalised over the components present: an unparseable GRM reply
+     drops that component for the sample), plus `length_weight` x the length penalty;
+  3. the ORM and GRM are JudgeServices with deadlines: a judge past its deadline (or raising)
+     fails its samples (Status.REWARD_ERROR, never trained) and the step goes on;
+  4. GRPO + IcePop (rl.grpo.update), as rl-reasoning.
+Reward-hacking guards: the length penalty, and per step the disagreement rate between the rule,
+ORM and GRM verdicts (rl.judges.disagreement; a policy exploiting one judge shows as that judge
+drifting from the others).
+
+Metrics: per step in metrics.jsonl / TensorBoard; for the stage: reward first/last per component,
+disagreement first/last, judge failures, the ORM's held-out pairwise accuracy (from the
+reward-model artifact), the evaluation gates (posttrain.gates; a broken gate fails the stage).
+Checkpoints as rl-reasoning's: model, optimizer, rollout RNG, step; prompts derive from (seed, step).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from data_processing.tokenizer import load_tokenizer
+from glmforge import shutdown
+from glmforge.stage import StageSpec, Workdir
+from model.hf import load_state
+from model.model import GLMModel, indexer_parameters
+from posttrain import gates
+from posttrain.gates import GateConfig
+from posttrain.chat_template import STOP_TOKENS
+from posttrain.qat import QATConfig
+from rl import arithmetic
+from rl.grpo import UpdateParams, assign_advantages, update
+from rl.judges import COMPONENTS, Judge, JudgeService, combine, disagreement, grm_judge, length_penalty, orm_judge, \
+    rule_reward
+from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
+from rl.sample import Sample, Status, Task
+from rl.tasks import gsm8k_tasks, mbpp_tasks
+from training import checkpoint, metrics
+from training.loop import export
+
+log = logging.getLogger("glmforge")
+STATE = "state.pt"
+SOURCES = ("gsm8k", "mbpp", "arithmetic")
+
+
+class RLGeneralConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    steps: int = Field(100, ge=1)
+    prompts_per_step: int = Field(32, ge=1)
+    group_size: int = Field(8, ge=2)
+    prompts: dict[str, float] = Field({"gsm8k": 1.0, "mbpp": 1.0, "arithmetic": 1.0},
+                                      description=f"prompt weights over {SOURCES}")
+    weights: dict[str, float] = Field({"rule": 1.0, "orm": 1.0, "grm": 1.0},
+                                      description=f"hybrid reward weights over {COMPONENTS}")
+    length_target: int = Field(256, ge=1, description="tokens a reply may use before the length penalty")
+    length_weight: float = Field(0.5, ge=0)
+    orm_timeout_s: float = Field(30.0, gt=0, description="deadline per ORM chunk")
+    grm_timeout_s: float = Field(60.0, gt=0, description="deadline per GRM chunk")
+    judge_chunk: int = Field(32, ge=1)
+    grm_max_new_tokens: int = Field(4, ge=1)
+    lr: float = Field(1e-6, ge=0)
+    betas: tuple[float, float] = (0.9, 0.98)
+    grad_clip: float = Field(1.0, gt=0)
+    eps_low: float = Field(0.2, ge=0, lt=1)
+    eps_high: float = Field(0.28, ge=0)
+    icepop_beta: Optional[float] = Field(2.0, gt=1)
+    std_normalize: bool = False
+    minibatches: int = Field(2, ge=1)
+    epochs: int = Field(1, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(512, ge=1)
+    rollout_int4: Optional[QATConfig] = None
+    rollout_batch: int = Field(256, ge=1)
+    gsm8k_path: str = "{samples}/gsm8k/train.jsonl"
+    gsm8k_skip: int = Field(200, ge=0)
+    mbpp_path: str = "{samples}/mbpp/mbpp.jsonl"
+    gates: GateConfig = GateConfig()
+    checkpoint_every: int = Field(20, ge=1)
+    keep_last: int = Field(2, ge=1)
+    examples: int = Field(8, ge=0)
+
+    @field_validator("prompts")
+    @classmethod
+    def _prompts(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = sorted(set(v) - set(SOURCES))
+        if bad:
+            raise ValueError(f"unknown prompt sources {bad}; known: {', '.join(SOURCES)}")
+        if any(w < 0 for w in v.values()) or not any(w > 0 for w in v.values()):
+            raise ValueError("prompt weights must be >= 0 with at least one > 0")
+        return v
+
+    @field_validator("weights")
+    @classmethod
+    def _weights(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = sorted(set(v) - set(COMPONENTS))
+        if bad:
+            raise ValueError(f"unknown reward components {bad}; known: {', '.join(COMPONENTS)}")
+        if any(w < 0 for w in v.values()) or not any(w > 0 for w in v.values()):
+            raise ValueError("reward weights must be >= 0 with at least one > 0")
+        return v
+
+
+def general_pools(cfg: RLGeneralConfig) -> dict[str, list[Task]]:
+    pools: dict[str, list[Task]] = {}
+    for src, w in cfg.prompts.items():
+        if w <= 0:
+            continue
+        if src == "gsm8k":
+            ts = gsm8k_tasks(cfg.gsm8k_path, cfg.gsm8k_skip)
+        elif src == "mbpp":
+            ts = mbpp_tasks(cfg.mbpp_path)
+        else:
+            ts = [arithmetic.task(a, b) for a, b in arithmetic.pairs("train")]
+        pools[src] = [Task("general", t.prompt, t.answer, {"source": src}) for t in ts]
+        if not pools[src]:
+            raise ValueError(f"rl-general: prompt source {src!r} has no prompts")
+    return pools
+
+
+def draw(pools: dict[str, list[Task]], weights: dict[str, float], n: int, seed: int, step: int) -> list[Task]:
+    rng = random.Random(seed * 1_000_003 + step)
+    names = list(pools)
+    return [rng.choice(pools[s]) for s in rng.choices(names, weights=[weights[s] for s in names], k=n)]
+
+
+# ---------------------------------------------------------------- rewards
+def hybrid_rewards(samples: list[Sample], tokenizer, judges: dict[str, JudgeService], cfg: RLGeneralConfig
+                   ) -> tuple[Counter, list[dict[str, Optional[float]]], dict[str, float]]:
+    """Set reward / rewards / status on each sample (module doc, step 2-3). Returns judge failures
+    by reason, the per-sample components of the scored samples, and extra step statistics."""
+    failures: Counter = Counter()
+    todo = [s for s in samples if s.status in (Status.OK, Status.TRUNCATED)]
+    raw = [tokenizer.decode(s.response_ids, skip_special_tokens=False) for s in todo]
+    rules = [rule_reward(r) for r in raw]
+    items = [(s.task, s.text) for s in todo]
+    judged = {name: svc.score(items) for name, svc in judges.items() if cfg.weights.get(name, 0) > 0}
+    comps_all: list[dict[str, Optional[float]]] = []
+    unparsed = 0
+    for i, s in enumerate(todo):
+        failed = [n for n, res in judged.items() if res.failed[i]]
+        if failed:
+            s.status, s.reward = Status.REWARD_ERROR, 0.0
+            s.reward_reason = "; ".join(judged[n].reason for n in failed)
+            for n in failed:
+                failures[f"{n}:{'timeout' if 'timed out' in judged[n].reason else 'error'}"] += 1
+            continue
+        comps: dict[str, Optional[float]] = {"rule": rules[i]["rule"]}
+        for n, res in judged.items():
+            comps[n] = res.scores[i]
+        unparsed += comps.get("grm", 0.0) is None and "grm" in judged
+        pen = length_penalty(len(s.response_ids), cfg.length_target)
+        s.reward = combine(comps, cfg.weights, pen, cfg.length_weight)
+        s.rewards = {**{k: v for k, v in comps.items() if v is not None}, "length": pen,
+                     "format": rules[i]["format"], "language": rules[i]["language"]}
+        comps_all.append(comps)
+    extra = {"grm_unparsed_fraction": unparsed / max(len(comps_all), 1)}
+    return failures, comps_all, extra
+
+
+def step_record(step: int, samples: list[Sample], comps: list[dict[str, Optional[float]]], stats: dict[str, float],
+                flat: float, failures: Counter, extra: dict[str, float], seconds: dict[str, float]) -> dict[str, Any]:
+    scored = [s for s in samples if s.status in (Status.OK, Status.TRUNCATED)]
+    rec: dict[str, Any] = {"step": step, "reward": sum(s.reward for s in scored) / max(len(scored), 1)}
+    for key in (*COMPONENTS, "length", "format", "language"):
+        vals = [s.rewards[key] for s in scored if key in s.rewards]
+        if vals:
+            rec[f"reward/{key}"] = sum(vals) / len(vals)
+    rec.update({f"disagreement/{k}": v for k, v in disagreement(comps).items()})
+    lengths = [len(s.response_ids) for s in samples]
+    rec.update({"zero_variance_groups": flat, "response_length": sum(lengths) / len(lengths),
+                "reward_error_fraction": sum(s.status == Status.REWARD_ERROR for s in samples) / len(samples),
+                "judge_failures": dict(failures), **extra, **stats,
+                **{f"time/{k}": v for k, v in seconds.items()}})
+    return rec
+
+
+# ---------------------------------------------------------------- the stage
+def make_judges(cfg: RLGeneralConfig, inputs: dict[str, Path], tokenizer, stop_ids: list[int], pad_id: int
+                ) -> dict[str, Judge]:
+    from posttrain.reward_model import load_reward_model
+
+    out: dict[str, Judge] = {}
+    if cfg.weights.get("orm", 0) > 0:
+        orm, info = load_reward_model(inputs["reward-model"], pad_id)
+        out["orm"] = orm_judge(orm, tokenizer, int(info["max_len"]))
+    if cfg.weights.get("grm", 0) > 0:
+        sft = load_state(inputs["sft"] / "consolidated.safetensors")
+        out["grm"] = grm_judge(RolloutEngine(sft, tokenizer, stop_ids, pad_id, batch_size=cfg.rollout_batch),
+                               tokenizer, cfg.grm_max_new_tokens)
+    return out
+
+
+def orm_accuracy(inputs: dict[str, Path]) -> Optional[float]:
+    p = inputs.get("reward-model")
+    if p is None or not (Path(p) / "orm.json").exists():
+        return None
+    return json.loads((Path(p) / "orm.json").read_text())["heldout_pairwise_accuracy"]
+
+
+def _save(root: Path, step: int, model, opt, gen: torch.Generator, before: dict[str, float], keep: int) -> None:
+    tag = checkpoint.tag_for(step)
+    shutil.rmtree(root / tag, ignore_errors=True)
+    (root / tag).mkdir(parents=True)
+    with checkpoint.saving(root, tag):
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "rollout_rng": gen.get_state()},
+                   root / tag / STATE)
+    checkpoint.finalize(root, tag, {"step": step, "before": before}, keep)
+
+
+def run_rl_general(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workdir,
+                   judges: Optional[dict[str, Judge]] = None) -> dict[str, Any]:
+    """`judges` replaces the ORM / GRM built from the inputs (tests: deterministic fakes)."""
+    tokenizer = load_tokenizer(inputs["tokenize"])
+    model = load_state(inputs["rl-agentic"] / "consolidated.safetensors")
+    for p in indexer_parameters(model):
+        p.requires_grad_(False)
+    stop_ids = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
+    pad_id = tokenizer.token_to_id("<|pad|>")
+    seed = workdir.seed
+    torch.manual_seed(seed)
+    pools = general_pools(cfg)
+    if judges is None:
+        judges = make_judges(cfg, inputs, tokenizer, stop_ids, pad_id)
+    timeouts = {"orm": cfg.orm_timeout_s, "grm": cfg.grm_timeout_s}
+    services = {n: JudgeService(n, j, timeouts[n], cfg.judge_chunk) for n, j in judges.items()}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=cfg.betas,
+                            weight_decay=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    engine = RolloutEngine(model, tokenizer, stop_ids, pad_id, int4=cfg.rollout_int4, batch_size=cfg.rollout_batch)
+    sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
+    params = UpdateParams(cfg.eps_low, cfg.eps_high, cfg.icepop_beta, cfg.minibatches, cfg.epochs,
+                          cfg.temperature, cfg.std_normalize, cfg.grad_clip)
+    root, log_path = workdir.checkpoint / "ckpt", workdir.checkpoint / "metrics.jsonl"
+
+    found = checkpoint.select_resume(root)
+    if found is None:
+        start, before = 0, gates.measure(model, tokenizer, cfg.gates.evals, seed)
+        log_path.unlink(missing_ok=True)
+    else:
+        tag, meta = found
+        st = torch.load(root / tag / STATE, weights_only=True)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["optimizer"])
+        gen.set_state(st["rollout_rng"])
+        start, before = meta["step"], meta["before"]
+        metrics.truncate(log_path, start)
+        log.info("rl-general: resuming after step %d", start)
+    samples: list[Sample] = []
+    with shutdown.deferred() as stop_requested:
+        for step in range(start + 1, cfg.steps + 1):
+            t0 = time.perf_counter()
+            engine.sync(model, step)
+            tasks = draw(pools, cfg.prompts, cfg.prompts_per_step, seed, step)
+            samples = [Sample(t, g, prompt_ids(tokenizer, t)) for g, t in enumerate(tasks) for _ in range(cfg.group_size)]
+            engine.generate(samples, sampling, gen)
+            t1 = time.perf_counter()
+            failures, comps, extra = hybrid_rewards(samples, tokenizer, services, cfg)
+            t2 = time.perf_counter()
+            flat = assign_advantages(samples, cfg.std_normalize)
+            stats = update(model, opt, samples, pad_id, params, gen) if any(s.trainable for s in samples) else {}
+            t3 = time.perf_counter()
+            rec = step_record(step, samples, comps, stats, flat, failures, extra,
+                              {"generate": t1 - t0, "reward": t2 - t1, "train": t3 - t2})
+            metrics.append(log_path, rec)
+            workdir.progress(step, cfg.steps, f"rl-general reward {rec['reward']:.3f}")
+            stop = stop_requested() and step < cfg.steps
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps or stop:
+                _save(root, step, model, opt, gen, before, cfg.keep_last)
+                workdir.persist_checkpoint()
+            if stop:
+                raise shutdown.Preempted(f"rl-general stopped by a signal: checkpoint at step {step} of {cfg.steps}")
+    after = gates.measure(model, tokenizer, cfg.gates.evals, seed)
+    records = metrics.read(log_path)
+    return publish(cfg, model, inputs, workdir.out, records, before, after, samples)
+
+
+def first_last(records: list[dict[str, Any]], key: str) -> dict[str, float] | None:
+    vals = [r[key] for r in records if r.get(key) is not None]
+    if not vals:
+        return None
+    k = max(1, len(vals) // 10)
+    return {"first": sum(vals[:k]) / k, "last": sum(vals[-k:]) / k}
+
+
+def publish(cfg: RLGeneralConfig, model: GLMModel, inputs: dict[str, Path], out: Path, records: list[dict[str, Any]],
+            before: dict[str, float], after: dict[str, float], last: list[Sample]) -> dict[str, Any]:
+    failures: Counter = Counter()
+    for r in records:
+        failures.update(r.get("judge_failures", {}))
+    keys = sorted({k for r in records for k in r if k.startswith("reward/")})
+    dkeys = sorted({k for r in records for k in r if k.startswith("disagreement/")})
+    result: dict[str, Any] = {
+        "steps": len(records),
+        "reward": first_last(records, "reward"),
+        "reward_per_component": {k.split("/", 1)[1]: first_last(records, k) for k in keys},
+        "disagreement": {k.split("/", 1)[1]: first_last(records, k) for k in dkeys},
+        "judge_failures": dict(failures),
+        "reward_error_fraction": sum(r["reward_error_fraction"] for r in records) / len(records),
+        "grm_unparsed_fraction": sum(r["grm_unparsed_fraction"] for r in records) / len(records),
+        "response_length": first_last(records, "response_length"),
+        "orm_heldout_pairwise_accuracy": orm_accuracy(inputs),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    num = sorted({k for r in records for k, v in r.items() if isinstance(v, (int, float)) and k != "step"})
+    metrics.write_tensorboard(records, out / "tensorboard", keys=num)
+    plot(records, out / "reward.png")
+    with open(out / "samples.jsonl", "w") as f:
+        for s in last[: cfg.examples]:
+            f.write(json.dumps({"prompt": s.task.prompt, "response": s.text, "rewards": s.rewards,
+                                "reward": s.reward, "status": s.status.value}) + "\n")
+    # the gates last: a broken gate raises after the table and plot are written
+    result["gates"] = gates.finish("rl-general", out, gates.read_chain(inputs.get("rl-agentic")), "rl-agentic", before, after,
+                                   cfg.gates.tolerances)
+    export(model, out, str(inputs["tokenize"]), {"reward_last": (result["reward"] or {}).get("last")})
+    return result
+
+
+def plot(records: list[dict[str, Any]], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    steps = [r["step"] for r in records]
+    for key in ("reward", *(f"reward/{c}" for c in (*COMPONENTS, "length"))):
+        ys = [r.get(key) for r in records]
+        if any(y is not None for y in ys):
+            a1.plot(steps, [float("nan") if y is None else y for y in ys], label=key)
+    a1.set_title("rl-general: hybrid reward")
+    a1.legend(fontsize=7)
+    for key in sorted({k for r in records for k in r if k.startswith("disagreement/")}):
+        a2.plot(steps, [r.get(key, float("nan")) for r in records], label=key)
+    a2.set_title("judge disagreement rate")
+    a2.legend(fontsize=7)
+    for a in (a1, a2):
+        a.set_xlabel("step")
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+STAGE = StageSpec("rl-general", "rl_general", RLGeneralConfig, run_rl_general,
+                  parents=("rl-agentic", "reward-model", "sft", "tokenize"))
+STAGES: list[StageSpec] = [STAGE]

@@ -1,0 +1,190 @@
+"""Hybrid rewards for general RL: rule rewards, an outcome reward model (ORM), a generative reward
+model (GRM), and the service that runs a judge with a deadline.
+
+    rules   format (parse_assistant: template well formed, think blocks closed, tool calls valid
+            against the declared tools) and language (share of ASCII letters among the letters:
+            the prompts are English); both in [0, 1], `rule` is their mean
+    orm     sigmoid(score) of the reward-model stage's scalar head (posttrain.reward_model)
+    grm     an earlier checkpoint prompted with a rubric, completed greedily through the rollout
+            engine; the first integer 0-10 of its reply / 10 (no integer: the component is missing)
+    length  -max(0, len - target) / target: the length penalty, a guard against reward hacking by
+            verbosity (the ORM and a small GRM both tend to prefer longer answers)
+
+JudgeService runs a judge (a callable on a list of items, returning one score or None per item) in
+a daemon thread, chunk by chunk, each chunk with its own deadline. A chunk past its deadline and
+every chunk after it come back as timeouts (those samples fail, the step goes on); the hung thread
+is told to stop after its current chunk and its results are discarded; the next call starts a new
+thread. A thread cannot be killed, so a truly hung judge keeps its thread: the judges here are in-
+process models (no native code that can hang forever), and a model-executing reward that can hang
+belongs in rl.rewards.RewardWorker's killable process instead.
+"""
+from __future__ import annotations
+
+import math
+import queue
+import re
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from posttrain.chat_template import parse_assistant
+from rl.sample import Task
+
+COMPONENTS = ("rule", "orm", "grm")
+
+Judge = Callable[[list[tuple[Task, str]]], list[Optional[float]]]
+
+
+# ---------------------------------------------------------------- rules
+def language_score(text: str) -> float:
+    """Share of ASCII letters among the letters of `text` (1.0 with no letters at all)."""
+    letters = [c for c in text if c.isalpha()]
+    if not letters:
+        return 1.0
+    return sum(c.isascii() for c in letters) / len(letters)
+
+
+def format_score(raw_text: str, tools: Sequence[dict] | None = None) -> float:
+    """1.0 when the raw assistant text (special tokens kept) parses without error, else 0.0."""
+    return float(parse_assistant(raw_text, tools=tools).ok)
+
+
+def rule_reward(raw_text: str, tools: Sequence[dict] | None = None) -> dict[str, float]:
+    f = format_score(raw_text, tools)
+    lang = language_score(parse_assistant(raw_text, tools=tools).message.content or "")
+    return {"format": f, "language": lang, "rule": (f + lang) / 2}
+
+
+def length_penalty(n_tokens: int, target: int) -> float:
+    return -max(0, n_tokens - target) / target
+
+
+# ---------------------------------------------------------------- GRM
+RUBRIC = ("You are grading an assistant's reply. Rate it from 0 (useless or wrong) to 10 (correct, "
+          "helpful, clear and concise). Reply with the number only.\n\nQuestion: {prompt}\n\nReply: {reply}")
+_INT = re.compile(r"\d+")
+
+
+def parse_grm_score(text: str) -> float | None:
+    """The first integer of the judge's reply, if in 0..10, as a score in [0, 1]."""
+    m = _INT.search(text)
+    if m is None:
+        return None
+    v = int(m.group())
+    return v / 10 if 0 <= v <= 10 else None
+
+
+def grm_judge(engine, tokenizer, max_new_tokens: int = 4, max_reply_chars: int = 2000) -> Judge:
+    """A GRM over a RolloutEngine (the judge's own weights): the rubric as one user turn,
+    a greedy completion, parse_grm_score."""
+    from rl.rollout import SamplingParams, prompt_ids
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+
+    def judge(items: list[tuple[Task, str]]) -> list[Optional[float]]:
+        prefixes = [prompt_ids(tokenizer, Task("grm", RUBRIC.format(prompt=t.prompt, reply=r[:max_reply_chars]), ""))
+                    for t, r in items]
+        out = engine.complete(prefixes, params, torch.Generator())
+        return [parse_grm_score(tokenizer.decode(toks, skip_special_tokens=True)) for toks, _, _ in out]
+
+    return judge
+
+
+def orm_judge(orm, tokenizer, max_len: int) -> Judge:
+    """The ORM (posttrain.reward_model.RewardModel) as a judge: sigmoid(score) per item."""
+    from posttrain.reward_model import pair_text_ids
+
+    @torch.no_grad()
+    def judge(items: list[tuple[Task, str]]) -> list[Optional[float]]:
+        ids = [pair_text_ids(tokenizer, t.prompt, r, max_len) for t, r in items]
+        return [1 / (1 + math.exp(-s)) for s in orm.score_ids(ids).tolist()]
+
+    return judge
+
+
+# ---------------------------------------------------------------- the service
+@dataclass
+class JudgeResult:
+    scores: list[Optional[float]]       # None: no score (unparseable, or failed: see `failed`)
+    failed: list[bool]                  # True: timed out or the judge raised (the sample fails)
+    reason: str = ""
+
+
+class JudgeService:
+    """A judge with per-chunk deadlines (module doc). Thread-safe for one caller."""
+
+    def __init__(self, name: str, judge: Judge, timeout_s: float, chunk: int = 16):
+        if timeout_s <= 0 or chunk < 1:
+            raise ValueError(f"judge {name}: timeout_s must be > 0 and chunk >= 1")
+        self.name, self.judge, self.timeout_s, self.chunk = name, judge, timeout_s, chunk
+        self.timeouts = 0
+
+    def score(self, items: list[tuple[Task, str]]) -> JudgeResult:
+        n = len(items)
+        if n == 0:
+            return JudgeResult([], [])
+        chunks = [(k, items[k:k + self.chunk]) for k in range(0, n, self.chunk)]
+        results: "queue.Queue[tuple[int, Any]]" = queue.Queue()
+        stop = threading.Event()
+
+        def run() -> None:
+            for k, part in chunks:
+                if stop.is_set():
+                    return
+                try:
+                    out = list(self.judge(part))
+                    if len(out) != len(part):
+                        raise ValueError(f"judge {self.name} returned {len(out)} scores for {len(part)} items")
+                    results.put((k, out))
+                except BaseException as e:       # a failing judge fails its chunk, not the caller
+                    results.put((k, e))
+
+        threading.Thread(target=run, name=f"judge-{self.name}", daemon=True).start()
+        scores: list[Optional[float]] = [None] * n
+        failed = [True] * n
+        reason = ""
+        for _ in chunks:
+            try:
+                k, out = results.get(timeout=self.timeout_s)
+            except queue.Empty:
+                stop.set()                    # the thread's late results go to a queue nobody reads
+                self.timeouts += 1
+                reason = f"judge {self.name} timed out after {self.timeout_s}s"
+                break
+            if isinstance(out, BaseException):
+                reason = f"judge {self.name} failed: {type(out).__name__}: {out}"
+                continue
+            for j, v in enumerate(out):
+                scores[k + j] = None if v is None else float(v)
+                failed[k + j] = False
+        return JudgeResult(scores, failed, reason)
+
+
+# ---------------------------------------------------------------- combining
+def combine(components: dict[str, Optional[float]], weights: dict[str, float], length: float,
+            length_weight: float) -> float:
+    """Weighted mean of the present components (weights renormalised over them) plus the
+    weighted length penalty."""
+    present = {c: v for c, v in components.items() if v is not None and weights.get(c, 0) > 0}
+    total_w = sum(weights[c] for c in present)
+    base = sum(weights[c] * v for c, v in present.items()) / total_w if total_w > 0 else 0.0
+    return base + length_weight * length
+
+
+def disagreement(components: list[dict[str, Optional[float]]]) -> dict[str, float]:
+    """Per pair of components and overall: the share of samples (with both / all present) whose
+    verdicts (score >= 0.5) differ. A reward-hacking alarm: the policy exploiting one judge shows
+    up as that judge drifting from the others."""
+    out: dict[str, float] = {}
+    pairs = [(a, b) for i, a in enumerate(COMPONENTS) for b in COMPONENTS[i + 1:]]
+    for a, b in pairs:
+        both = [(c[a] >= 0.5, c[b] >= 0.5) for c in components if c.get(a) is not None and c.get(b) is not None]
+        if both:
+            out[f"{a}_{b}"] = sum(x != y for x, y in both) / len(both)
+    verdicts = [{v >= 0.5 for v in c.values() if v is not None} for c in components]
+    multi = [v for v, c in zip(verdicts, components) if sum(x is not None for x in c.values()) >= 2]
+    out["any"] = sum(len(v) > 1 for v in multi) / len(multi) if multi else 0.0
+    return out

@@ -1,0 +1,54 @@
+"""Evaluation gates: tolerances, the chain table, a broken gate failing the stage."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from posttrain import gates
+from posttrain.gates import GateConfig, GateError
+
+
+def test_tolerances_are_absolute_for_accuracy_and_relative_for_perplexity():
+    before = {"arithmetic_acc": 0.5, "heldout_ppl": 100.0}
+    ok = gates.gate(before, {"arithmetic_acc": 0.45, "heldout_ppl": 109.0}, {"arithmetic_acc": 0.05, "heldout_ppl": 0.1})
+    assert ok["arithmetic_acc"]["passed"] and ok["heldout_ppl"]["passed"]
+    bad = gates.gate(before, {"arithmetic_acc": 0.44, "heldout_ppl": 111.0}, {"arithmetic_acc": 0.05, "heldout_ppl": 0.1})
+    assert not bad["arithmetic_acc"]["passed"] and not bad["heldout_ppl"]["passed"]
+    # no tolerance: recorded, not gated
+    free = gates.gate(before, {"arithmetic_acc": 0.0, "heldout_ppl": 1e9}, {})
+    assert free["arithmetic_acc"] == {"before": 0.5, "after": 0.0, "tolerance": None, "passed": True}
+
+
+def test_unknown_eval_in_tolerances_is_refused():
+    with pytest.raises(ValueError, match="unknown evals"):
+        GateConfig(tolerances={"mmlu": 0.1})
+
+
+def test_chain_extends_parent_and_failing_gate_raises_with_the_table(tmp_path):
+    parent = tmp_path / "parent"
+    gates.finish("rl-reasoning", parent, None, "sft", {"arithmetic_acc": 0.3}, {"arithmetic_acc": 0.6},
+                 {"arithmetic_acc": 0.1})
+    data = json.loads((parent / "gates.json").read_text())
+    assert [c["stage"] for c in data["chain"]] == ["sft", "rl-reasoning"]
+    with pytest.raises(GateError) as e:
+        gates.finish("rl-general", tmp_path / "out", gates.read_chain(parent), "rl-agentic",
+                     {"arithmetic_acc": 0.6}, {"arithmetic_acc": 0.2}, {"arithmetic_acc": 0.1})
+    assert "| arithmetic_acc | 0.3 | 0.6 | 0.2 | 0.1 | **NO** |" in str(e.value)
+    out = tmp_path / "out"
+    assert (out / "gates.png").exists() and "**NO**" in (out / "gates.md").read_text()
+    g = json.loads((out / "gates.json").read_text())["gates"]
+    assert g["rl-general"]["arithmetic_acc"] == {"before": 0.6, "after": 0.2, "tolerance": 0.1, "passed": False}
+    assert g["rl-reasoning"]["arithmetic_acc"]["passed"] is True
+
+
+def test_measure_returns_every_eval_in_range():
+    from tests.posttrain._chain import make_tokenizer
+    from tests.rl.conftest import small_model
+
+    tok = make_tokenizer()
+    ev = gates.measure(small_model(tok.get_vocab_size()), tok,
+                       gates.GateEvalConfig(arithmetic=4, gsm8k=2, gsm8k_max_new_tokens=4, tool_max_new_tokens=4))
+    assert set(ev) == set(gates.EVALS)
+    assert all(0 <= ev[k] <= 1 for k in ("arithmetic_acc", "gsm8k_acc", "tool_call_validity"))
+    assert 1 < ev["heldout_ppl"] < 10 * tok.get_vocab_size()     # a random model: about the vocab size

@@ -1,0 +1,147 @@
+"""rl-general and reward-model on tiny random models: ORM accuracy, judge deadlines, hybrid
+rewards, the stage's metrics and a broken gate failing it."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from glmforge.stage import Workdir
+from posttrain import gates
+from posttrain.reward_model import RewardModelConfig, mutate_code, pairwise_accuracy, run_reward_model
+from posttrain.rl_general import RLGeneralConfig, run_rl_general
+from rl.judges import JudgeService, combine, disagreement, parse_grm_score, rule_reward
+from rl.sample import Task
+from tests.posttrain._chain import artifacts, make_tokenizer
+
+EVALS = {"arithmetic": 4, "gsm8k": 2, "gsm8k_max_new_tokens": 4, "tool_max_new_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    return artifacts(tmp_path_factory.mktemp("general"), make_tokenizer(), {"sft": 0, "rl-agentic": 1})
+
+
+def test_pairwise_accuracy_on_a_fixture():
+    chosen = torch.tensor([2.0, 1.0, 0.5, -1.0])
+    rejected = torch.tensor([1.0, 1.0, 0.7, -3.0])
+    # wins: 2>1, -1>-3; tie 1==1 counts 1/2; 0.5<0.7 loses -> 2.5 / 4
+    assert pairwise_accuracy(chosen, rejected) == 0.625
+    with pytest.raises(ValueError):
+        pairwise_accuracy(chosen, rejected[:3])
+
+
+def test_code_mutation_changes_the_code():
+    import random
+
+    code = "def f(a, b):\n    return a + b == 3\n"
+    assert mutate_code(code, random.Random(0)) != code
+
+
+def test_hung_judge_times_out_without_stalling_the_step():
+    release = threading.Event()
+
+    def hung(items):
+        release.wait(30)              # a judge that never answers in time
+        return [1.0] * len(items)
+
+    svc = JudgeService("grm", hung, timeout_s=0.3, chunk=2)
+    t0 = time.perf_counter()
+    res = svc.score([(Task("general", "q", ""), "a")] * 5)
+    took = time.perf_counter() - t0
+    release.set()
+    assert took < 2.0, took
+    assert res.failed == [True] * 5 and "timed out" in res.reason and svc.timeouts == 1
+
+    def flaky(items):
+        if items[0][1] == "boom":
+            raise RuntimeError("judge crashed")
+        return [0.5] * len(items)
+
+    res = JudgeService("orm", flaky, timeout_s=5, chunk=1).score([(Task("g", "q", ""), "ok"), (Task("g", "q", ""), "boom")])
+    assert res.failed == [False, True] and res.scores[0] == 0.5 and "crashed" in res.reason
+
+
+def test_rules_grm_parsing_combination_and_disagreement():
+    assert rule_reward("The answer is 7.<|user|>")["format"] == 1.0
+    assert rule_reward("<think>never closed")["format"] == 0.0
+    assert rule_reward("Ответ 7")["language"] == 0.0
+    assert parse_grm_score("Score: 7/10") == 0.7 and parse_grm_score("eleven") is None and parse_grm_score("42") is None
+    w = {"rule": 1.0, "orm": 1.0, "grm": 2.0}
+    assert combine({"rule": 1.0, "orm": 0.5, "grm": None}, w, -0.5, 0.2) == pytest.approx(0.75 - 0.1)
+    d = disagreement([{"rule": 1.0, "orm": 0.9, "grm": 0.1}, {"rule": 0.0, "orm": 0.2, "grm": 0.3}])
+    assert d["rule_orm"] == 0.0 and d["rule_grm"] == 0.5 and d["any"] == 0.5
+
+
+def test_reward_model_stage_trains_and_reports_heldout_accuracy(inputs, tmp_path):
+    cfg = RewardModelConfig(steps=3, batch_pairs=4, lr=1e-3, max_len=48, gsm8k_pairs=20, mbpp_pairs=10,
+                            arithmetic_pairs=20, heldout_percent=25, checkpoint_every=2)
+    m = run_reward_model(cfg, inputs, Workdir.at(tmp_path, seed=1))
+    h = m["heldout_pairwise_accuracy"]
+    assert m["steps"] == 3 and h["before"] == 0.5      # zero-initialised head: every pair a tie
+    assert 0 <= h["after"] <= 1 and h["n"] == m["pairs"]["heldout"] > 0
+    assert set(m["pairs"]["by_kind"]) >= {"gsm8k/wrong_number", "gsm8k/truncated", "mbpp/mutated", "arithmetic/digit"}
+    info = json.loads((tmp_path / "out" / "orm.json").read_text())
+    assert info["heldout_pairwise_accuracy"] == h["after"]
+    for f in ("backbone.safetensors", "head.safetensors", "loss.png", "metrics.jsonl"):
+        assert (tmp_path / "out" / f).exists(), f
+
+
+def _fake_judges():
+    """Deterministic: the ORM likes short replies, the GRM replies with a digit count."""
+    return {"orm": lambda items: [1.0 / (1 + len(r)) for _, r in items],
+            "grm": lambda items: [None if i % 3 == 0 else (sum(c.isdigit() for c in r) % 11) / 10
+                                  for i, (_, r) in enumerate(items)]}
+
+
+def _cfg(**kw):
+    base = dict(steps=2, prompts_per_step=2, group_size=3, lr=1e-3, max_new_tokens=6, length_target=4,
+                checkpoint_every=1, gates={"evals": EVALS, "tolerances": {}})
+    return RLGeneralConfig(**{**base, **kw})
+
+
+def test_rl_general_reports_components_disagreement_and_gates(inputs, tmp_path):
+    m = run_rl_general(_cfg(), inputs, Workdir.at(tmp_path, seed=2), judges=_fake_judges())
+    assert m["steps"] == 2
+    assert {"rule", "orm", "grm", "length", "format", "language"} <= set(m["reward_per_component"])
+    assert set(m["reward_per_component"]["orm"]) == {"first", "last"}
+    assert 0 < m["grm_unparsed_fraction"] < 1 and "any" in m["disagreement"]
+    assert set(m["gates"]) == {"rl-general"} and set(m["gates"]["rl-general"]) == set(gates.EVALS)
+    out = tmp_path / "out"
+    for f in ("consolidated.safetensors", "gates.md", "gates.png", "reward.png", "metrics.jsonl"):
+        assert (out / f).exists(), f
+
+
+def test_hung_judge_fails_samples_not_the_stage(inputs, tmp_path):
+    release = threading.Event()
+
+    def hung(items):
+        release.wait(30)
+        return [0.5] * len(items)
+
+    t0 = time.perf_counter()
+    m = run_rl_general(_cfg(steps=1, grm_timeout_s=0.2), inputs, Workdir.at(tmp_path, seed=2),
+                       judges={"orm": _fake_judges()["orm"], "grm": hung})
+    release.set()
+    assert m["reward_error_fraction"] == 1.0 and m["judge_failures"] == {"grm:timeout": 6}
+    assert time.perf_counter() - t0 < 60
+
+
+def test_broken_gate_fails_the_stage_with_the_table(inputs, tmp_path, monkeypatch):
+    real = gates.measure
+    calls = []
+
+    def worse_after(model, tok, cfg, seed=0):
+        ev = real(model, tok, cfg, seed)
+        calls.append(1)
+        return ev if len(calls) == 1 else {**ev, "heldout_ppl": ev["heldout_ppl"] * 2}
+
+    monkeypatch.setattr(gates, "measure", worse_after)
+    cfg = _cfg(steps=1, gates={"evals": EVALS, "tolerances": {"heldout_ppl": 0.1}})
+    with pytest.raises(gates.GateError, match=r"heldout_ppl .*\*\*NO\*\*"):
+        run_rl_general(cfg, inputs, Workdir.at(tmp_path, seed=2), judges=_fake_judges())
+    assert not (tmp_path / "out" / "consolidated.safetensors").exists()   # no model published
+    assert (tmp_path / "out" / "gates.md").exists()
