@@ -224,28 +224,44 @@ class UnionFind:
         return True
 
 
+def band_weights(bands: int, rows: int) -> list[np.ndarray]:
+    """Per-band multipliers that fold a band's `rows` hashes into one bucket key (fixed seed:
+    every shard of a distributed run must bucket the same way)."""
+    rng = np.random.default_rng(0x5EED)
+    return [rng.integers(1, 2**63, size=rows, dtype=np.uint64) | np.uint64(1) for _ in range(bands)]
+
+
+def band_keys(sigs: np.ndarray, band: int, rows: int, weights: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """Bucket key of every signature for one band; `index` (global row numbers) makes empty
+    documents' keys unique, so they match nothing."""
+    block = sigs[:, band * rows : (band + 1) * rows].astype(np.uint64)
+    key = _mix64((block * weights[None, :]).sum(axis=1, dtype=np.uint64) + np.uint64(band))
+    empty = (sigs == _EMPTY).all(axis=1)
+    key[empty] = index[empty].astype(np.uint64) ^ _MASK64
+    return key
+
+
+def bucket_pairs(key: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """Pairs (first member, other member) of every bucket of equal keys; `index` must be
+    ascending so the first member is the lowest row number: int64[k, 2]."""
+    n = key.size
+    order = np.argsort(key, kind="stable")
+    k = key[order]
+    same = np.flatnonzero(k[1:] == k[:-1]) + 1  # positions equal to their predecessor
+    if same.size == 0:
+        return np.empty((0, 2), dtype=np.int64)
+    run_start = np.ones(n, dtype=bool)
+    run_start[same] = False
+    first = np.maximum.accumulate(np.where(run_start, np.arange(n), 0))  # first member of each run
+    return np.stack([index[order[first[same]]], index[order[same]]], axis=1).astype(np.int64)
+
+
 def lsh_candidate_pairs(sigs: np.ndarray, bands: int, rows: int) -> np.ndarray:
     """Pairs (i, j), i < j, that share at least one band: int64[k, 2]. Within a bucket each
     member is paired with the bucket's first member (enough for union-find; k stays ~n)."""
-    n = sigs.shape[0]
-    pairs = []
-    empty = (sigs == _EMPTY).all(axis=1)
-    rng = np.random.default_rng(0x5EED)
-    for band in range(bands):
-        block = sigs[:, band * rows : (band + 1) * rows].astype(np.uint64)
-        weights = rng.integers(1, 2**63, size=rows, dtype=np.uint64) | np.uint64(1)
-        key = _mix64((block * weights[None, :]).sum(axis=1, dtype=np.uint64) + np.uint64(band))
-        key[empty] = np.arange(n, dtype=np.uint64)[empty] ^ _MASK64  # empty docs match nothing
-        order = np.argsort(key, kind="stable")
-        k = key[order]
-        same = np.flatnonzero(k[1:] == k[:-1]) + 1  # positions equal to their predecessor
-        if same.size == 0:
-            continue
-        # first member of each run of equal keys
-        run_start = np.ones(n, dtype=bool)
-        run_start[same] = False
-        first = np.maximum.accumulate(np.where(run_start, np.arange(n), 0))
-        pairs.append(np.stack([order[first[same]], order[same]], axis=1))
+    index = np.arange(sigs.shape[0], dtype=np.int64)
+    pairs = [bucket_pairs(band_keys(sigs, b, rows, w, index), index) for b, w in enumerate(band_weights(bands, rows))]
+    pairs = [p for p in pairs if len(p)]
     if not pairs:
         return np.empty((0, 2), dtype=np.int64)
     p = np.concatenate(pairs)

@@ -1,0 +1,110 @@
+"""Dedup fanned out as Prefect tasks on 2 local Dask workers equals the single-process steps."""
+from __future__ import annotations
+
+import random
+
+import pyarrow.parquet as pq
+import pytest
+
+from data_processing import dedup_exact, minhash
+from data_processing import sharded_dedup as sd
+from data_processing.document import Document, read_documents, read_shard, shard_paths
+from glmforge.stage import Workdir
+
+from .conftest import stdlib_docs, write_docs
+from .test_dedup import edit_words
+
+
+def corpus() -> list[Document]:
+    """60 stdlib modules, exact copies (case/whitespace variants) and near-duplicates (1% and
+    3% of words edited) placed in other shards than their originals, and two empty texts."""
+    rng = random.Random(3)
+    docs = stdlib_docs(60, max_chars=20_000)
+    extra = []
+    for i in range(0, 60, 5):
+        extra.append(Document(f"zz-exact-{i:02d}", "  " + docs[i].text.upper() + "\n", "x"))
+        extra.append(Document(f"zz-near-{i:02d}", edit_words(docs[i + 1].text, 0.01 + 0.02 * (i % 2), rng), "x",
+                              {"quality": {"score": 0.9 if i % 10 == 0 else 0.1}}))
+    extra += [Document("zz-empty-a", "", "x"), Document("zz-empty-b", "...", "x")]
+    out = docs + extra
+    random.Random(5).shuffle(out)
+    return out
+
+
+def contents(directory):
+    return [[(d.id, d.text, d.source, d.metadata) for d in read_shard(p)] for p in shard_paths(directory)]
+
+
+def assert_same_output(single, dask):
+    assert [p.name for p in shard_paths(single)] == [p.name for p in shard_paths(dask)]
+    assert contents(single) == contents(dask)
+    assert [p.name for p in shard_paths(single / "removed")] == [p.name for p in shard_paths(dask / "removed")]
+    assert contents(single / "removed") == contents(dask / "removed")
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    return write_docs(tmp_path_factory.mktemp("in"), corpus(), shard_size=13)
+
+
+@pytest.mark.slow
+def test_dedup_on_two_dask_workers_equals_single_process(src, tmp_path, prefect_server):
+    from flows.curate_dask import DaskSettings, run_dedup
+
+    settings = DaskSettings(workers=2, processes=False, partitions=3)
+    # exact
+    w = Workdir.at(tmp_path / "exact")
+    m1 = dedup_exact.run(dedup_exact.DedupExactConfig(shard_size=10), {"p": src}, w)
+    m2 = run_dedup("dedup-exact", src, tmp_path / "exact-dask", tmp_path / "s1", settings, shard_size=10)
+    assert m1["removed"] >= 12, m1  # the planted exact copies
+    assert m1 == m2
+    assert_same_output(w.out, tmp_path / "exact-dask")
+    # minhash on exact's output, with a seed and threshold other than the defaults
+    cfg = minhash.MinHashConfig(seed=7, shard_size=9, verify_threshold=0.85)  # rejects some candidates
+    w = Workdir.at(tmp_path / "mh")
+    m1 = minhash.run(cfg, {"p": tmp_path / "exact-dask"}, w)
+    m2 = run_dedup("dedup-minhash", tmp_path / "exact-dask", tmp_path / "mh-dask", tmp_path / "s2", settings,
+                   shard_size=9, minhash=cfg)
+    assert m1["removed"] >= 5 and m1["candidate_pairs"] > m1["verified_pairs"], m1
+    assert m1 == m2
+    assert_same_output(w.out, tmp_path / "mh-dask")
+
+
+def test_shard_steps_hold_one_band_and_pick_the_kept_member_by_quality(src, tmp_path):
+    """The shard-level steps without Prefect: signatures stay in per-shard files, and the kept
+    member of a near-duplicate cluster is the higher quality score (zz-near-00 beats its
+    original, which has no score)."""
+    cfg = minhash.MinHashConfig()
+    sp = sd.plan(src)
+    scratch = str(tmp_path / "s")
+    for i, (s, o) in enumerate(zip(sp.shards, sp.offsets)):
+        sd.minhash_shard(s, i, o, cfg, scratch)
+    assert len(list((tmp_path / "s" / "sigs").glob("*.npy"))) == len(sp.shards)
+    for b in range(cfg.bands):
+        sd.minhash_band(b, len(sp.shards), scratch)
+    sd.minhash_split_pairs(cfg.bands, sp, scratch)
+    for i in range(len(sp.shards)):
+        sd.minhash_verify(i, sp, cfg.verify_threshold, scratch)
+    sd.minhash_cluster(sp, scratch)
+    reasons = {}
+    for f in (tmp_path / "s" / "dups").glob("*.parquet"):
+        t = pq.read_table(f)
+        reasons.update(zip(t.column("row").to_pylist(), t.column("reason").to_pylist()))
+    ids = [d.id for d in read_documents(src)]
+    removed = {ids[r]: why for r, why in reasons.items()}
+    assert removed[stdlib_docs(2, max_chars=20_000)[1].id] == "near_duplicate_of:zz-near-00"
+    assert "zz-near-00" not in removed
+
+
+def test_bad_shard_names_file_and_row(tmp_path):
+    import pyarrow as pa
+
+    d = tmp_path / "in"
+    d.mkdir()
+    pq.write_table(pa.table({"id": ["a", ""], "text": ["x", "y"]}), d / "part-00000.parquet")
+    sp = sd.plan(d)
+    with pytest.raises(ValueError, match=r"part-00000.parquet: row 1: field 'id'"):
+        sd.exact_partition(sp.shards[0], 0, 0, 2, str(tmp_path / "s"))
+    pq.write_table(pa.table({"id": ["a"]}), d / "part-00001.parquet")
+    with pytest.raises(ValueError, match=r"part-00001.parquet: not a document shard, missing column\(s\) \['text'\]"):
+        sd.plan(d)
