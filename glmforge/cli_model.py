@@ -46,8 +46,20 @@ def _fail(msg: str) -> None:
 def info(preset: str = typer.Option(..., help="tiny | small | glm5"),
          context: int = typer.Option(4096, help="context length for the attention FLOPs"),
          kv_bytes: int = typer.Option(2, help="bytes per cached value (2 = bf16)"),
+         plan: str | None = typer.Option(None, "--plan", help="NODESxGPUS (e.g. 128x8): memory per GPU for this "
+                                         "layout; other fields from the preset config's `plan:` section"),
+         zero: int | None = typer.Option(None, "--zero", help="ZeRO stage 0-3"),
+         ep: int | None = typer.Option(None, "--ep", help="expert-parallel group size"),
+         gpu_mem: int | None = typer.Option(None, "--gpu-mem", help="GPU memory in GB: 80 or 141"),
+         micro_batch: int | None = typer.Option(None, "--micro-batch", help="sequences per GPU per micro-step"),
+         seq_len: int | None = typer.Option(None, "--seq-len", help="training sequence length"),
+         checkpointing: bool | None = typer.Option(None, "--checkpointing/--no-checkpointing",
+                                                   help="activation checkpointing (recompute each block)"),
+         optimizer: str | None = typer.Option(None, "--optimizer", help="muon | adamw"),
+         rollout_tokens: int | None = typer.Option(None, "--rollout-tokens", help="KV-cache tokens per GPU in RL rollouts"),
          as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
-    """Parameters (total/activated), FLOPs per token, KV-cache bytes per token."""
+    """Parameters (total/activated), FLOPs per token, KV-cache bytes per token; with --plan, the
+    memory per GPU of a training layout (exit 1 when it does not fit, naming what to change)."""
     from model.config import preset as get_preset
     from model.info import summary
     try:
@@ -55,6 +67,12 @@ def info(preset: str = typer.Option(..., help="tiny | small | glm5"),
     except ValueError as e:
         _fail(str(e))
     s["preset"] = preset
+    if plan is not None:
+        given = {"zero_stage": zero, "ep": ep, "gpu_mem_gb": gpu_mem, "micro_batch_size": micro_batch,
+                 "seq_len": seq_len, "activation_checkpointing": checkpointing, "optimizer": optimizer,
+                 "rollout_tokens": rollout_tokens}
+        _plan_info(preset, plan, {k: v for k, v in given.items() if v is not None}, s, as_json)
+        return
     if as_json:
         typer.echo(json.dumps(s, indent=2))
         return
@@ -66,6 +84,66 @@ def info(preset: str = typer.Option(..., help="tiny | small | glm5"),
     typer.echo(f"  forward FLOPs/token @ {context} ctx, dense:  {s['flops_per_token_dense'] / 1e9:10.3f} GFLOP")
     typer.echo(f"  forward FLOPs/token @ {context} ctx, DSA:    {s['flops_per_token_dsa'] / 1e9:10.3f} GFLOP")
     typer.echo(f"  KV cache per token ({kv_bytes} B/value):         {s['kv_cache_bytes_per_token']} bytes")
+
+
+def _plan_defaults(preset: str) -> dict:
+    """The `plan:` section of configs/PRESET.yaml (read as YAML: the section is validated to fit,
+    and a --plan on the command line may be what makes it fit), or {}."""
+    import yaml
+
+    from glmforge.config import CONFIGS_DIR
+    path = CONFIGS_DIR / f"{preset}.yaml"
+    if not path.is_file():
+        return {}
+    return dict((yaml.safe_load(path.read_text()) or {}).get("plan") or {})
+
+
+def _plan_info(preset: str, plan_text: str, given: dict, s: dict, as_json: bool) -> None:
+    from dataclasses import replace
+
+    from model.config import preset as get_preset
+    from model.info import GB, Plan, memory_plan, not_fitting_message, parse_plan
+    try:
+        nodes, gpus = parse_plan(plan_text)
+        base = _plan_defaults(preset)
+        if base.get("model_preset", preset) != preset:
+            base = {}
+        cfg = get_preset(preset, **base.get("model_overrides", {}))
+        fields = {k: v for k, v in base.items() if k in Plan.__dataclass_fields__}
+        if given.get("gpu_mem_gb", fields.get("gpu_mem_gb", 80)) not in (80, 141):
+            raise ValueError(f"--gpu-mem {given['gpu_mem_gb']}: choose 80 or 141")
+        p = replace(Plan(nodes=nodes, gpus_per_node=gpus), **{**fields, **given, "nodes": nodes, "gpus_per_node": gpus})
+        r = memory_plan(cfg, p)
+    except ValueError as e:
+        _fail(str(e))
+    fits = r["fits_training"] and r["fits_rollout"]
+    if as_json:
+        typer.echo(json.dumps({**s, "memory_plan": r}, indent=2))
+    else:
+        b = r["bytes"]
+        typer.echo(f"preset {preset}: plan {r['plan']} = {r['world']} GPUs, ZeRO-{r['zero_stage']}, ep {r['ep']} "
+                   f"(experts data-parallel over {r['dp_expert']}, dense weights over {r['dp_dense']}), "
+                   f"{r['optimizer']}, micro-batch {r['micro_batch_size']} x {r['seq_len']} tokens, activation "
+                   f"checkpointing {'on' if r['activation_checkpointing'] else 'off'}, {r['gpu_mem_gb']} GB GPUs")
+        typer.echo(f"  weights per GPU: {r['params_per_gpu'] / 1e9:.2f} B of {r['params_total'] / 1e9:.2f} B "
+                   f"({r['params_expert'] / 1e9:.2f} B in routed experts, sharded /{r['ep']})")
+        rows = [("parameters (bf16)", "parameters"), ("gradients (bf16)", "gradients"),
+                ("master weights (fp32)", "master_weights"),
+                ("optimizer states (fp32; Muon 1, AdamW 2 per element)", "optimizer_states"),
+                ("activations (bf16, + fp32 logits)", "activations"), ("reserve (CUDA, NCCL, fragments)", "reserve"),
+                ("= training", "training_total"),
+                (f"rollout KV cache ({r['rollout_tokens']} tokens x {r['kv_cache_bytes_per_token']} B)",
+                 "rollout_kv_cache"),
+                ("= rollouts (bf16 weights + KV cache + reserve)", "rollout_total")]
+        for label, key in rows:
+            typer.echo(f"  {label:<58} {b[key] / GB:9.2f} GB")
+        typer.echo(f"  activations: {r['activation_values_per_token']} bf16 values + {r['logit_bytes_per_token']} "
+                   "logit bytes per token (model.info.activation_values_per_token)")
+    if not fits:
+        typer.echo(f"error: {not_fitting_message(cfg, p, r)}", err=True)
+        raise typer.Exit(code=1)
+    if not as_json:
+        typer.echo(f"  fits a {r['gpu_mem_gb']} GB GPU")
 
 
 # The tokenizer an export gets when none is given: the tokenize stage's own training (same

@@ -52,11 +52,14 @@ class TaskConfig(BaseModel):
 def pipeline_model() -> type[BaseModel]:
     """The PipelineConfig model, built from the stage registry so each stage owns its section."""
     from glmforge.pipeline import STAGES
+    from model.info import PlanConfig
 
     fields: dict[str, Any] = {
         "run": (RunConfig, RunConfig()),
         "store": (StoreConfig, StoreConfig()),
         "tasks": (TaskConfig, TaskConfig()),
+        # the cluster layout the training stages are sized for (model.info; checked to fit)
+        "plan": (PlanConfig | None, None),
     }
     for spec in STAGES:
         fields[spec.section] = (spec.config_cls, _default_or_required(spec.config_cls))
