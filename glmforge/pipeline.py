@@ -23,9 +23,10 @@ def _training() -> list[StageSpec]:
 
 
 def _posttrain() -> list[StageSpec]:
+    from posttrain.rl_agentic import STAGES as rl_agentic
     from posttrain.rl_reasoning import STAGES as rl_reasoning
 
-    return [*rl_reasoning]
+    return [*rl_reasoning, *rl_agentic]
 
 
 STAGES: list[StageSpec] = [INGEST, *_curation(), *_training(), *_posttrain()]

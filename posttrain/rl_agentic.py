@@ -1,0 +1,338 @@
+"""The `rl-agentic` stage: asynchronous agentic RL (GLM-5 section 4.3), after rl-reasoning.
+
+    rl-reasoning (weights), tokenize (tokenizer) --> rl-agentic
+
+Inference is decoupled from training. Rollout workers (rl.rollout_worker, separate processes
+reached over TCP by rl.orchestrator.WorkerPool) run multi-turn tool episodes (rl.agent, token-in-
+token-out) in registered environments (rl.envs) and return trajectories whose every token carries
+the policy version that sampled it. The trainer:
+  - submits prompt groups while admission allows (rl.staleness.admit: at most (eta + v + 1) * B
+    samples submitted by policy version v), each group routed by a consistent hash of its id;
+  - trains as soon as B samples are in, oldest groups first: drops samples more than tau versions
+    stale and groups with a valid minority (rl.staleness.filter_groups), group-normalised
+    advantages over the valid members, then one optimizer step of the double-sided IS loss
+    (rl.loss.double_sided_is_loss, the rollout log-probs as pi_old: no pi_old forward pass);
+  - every K optimizer steps publishes the weights as a new version (atomic file; workers load it
+    between requests or turns) and resets the optimizer state, as GLM-5 does after each sync.
+With tau = 0, K = 1, eta = 0 and one worker this is synchronous on-policy training, step for step
+(`synchronous: true` runs that reference in-process; a test checks they match).
+
+Defaults the paper does not give (chosen here): eps_low 0.2 / eps_high 0.28, the same band as
+the reasoning stage's clip-higher; tau 2 and eta 1 (a sample may start one version behind and is
+dropped beyond two: the admission limit makes drops rare, dropping is the backstop); K 1 (weights
+every step: cheap at this size; raise it when a weight sync costs more than a step).
+
+Resume: a checkpoint holds the model, optimizer, step, version, the next group id, the groups
+finished but not yet trained (their samples), and the ids of in-flight groups, which a resumed
+stage submits again (their rollouts are seeded by group id, rl.agent.seed_for). No trajectory is
+lost or trained twice: each step records the group ids it trained on.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from data_processing.tokenizer import load_tokenizer
+from glmforge.stage import StageSpec, Workdir
+from model.hf import load_state
+from model.model import GLMModel, indexer_parameters
+from posttrain.chat_template import STOP_TOKENS
+from posttrain.qat import QATConfig
+from rl.agent import run_group
+from rl.envs import ENVIRONMENTS, make_env, tasks_for
+from rl.grpo import collate
+from rl.loss import double_sided_is_loss, group_advantages
+from rl.orchestrator import WorkerPool
+from rl.rollout import RolloutEngine, SamplingParams
+from rl.sample import Sample, Task
+from rl.staleness import admit, filter_groups
+from rl.wire import sample_from_dict, sample_to_dict, task_from_dict, task_to_dict
+from training import checkpoint, metrics
+from training.loop import export
+
+log = logging.getLogger("glmforge")
+STATE, BUFFER = "state.pt", "buffer.json"
+
+
+class RLAgenticConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    steps: int = Field(100, ge=1, description="optimizer steps")
+    prompts_per_step: int = Field(16, ge=1, description="groups per optimizer step (B = this x group_size)")
+    group_size: int = Field(8, ge=2)
+    environments: dict[str, float] = Field({"calc_arith": 1.0}, description="episode weights over rl.envs")
+    env_args: dict[str, dict[str, Any]] = Field({}, description="constructor arguments per environment")
+    max_turns: int = Field(4, ge=1)
+    workers: int = Field(2, ge=1, description="rollout worker processes")
+    synchronous: bool = Field(False, description="the on-policy reference: generate in the trainer, no workers")
+    eta: int = Field(1, ge=0, description="admission: samples start at most eta versions behind")
+    tau: int = Field(2, ge=0, description="drop samples whose oldest token is more than tau versions stale")
+    sync_every: int = Field(1, ge=1, description="K: optimizer steps between weight syncs (optimizer reset)")
+    eps_low: float = Field(0.2, ge=0, lt=1)
+    eps_high: float = Field(0.28, ge=0)
+    lr: float = Field(1e-6, ge=0)
+    betas: tuple[float, float] = (0.9, 0.98)
+    grad_clip: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(256, ge=1, description="per assistant turn")
+    rollout_int4: Optional[QATConfig] = None
+    rollout_batch: int = Field(64, ge=1)
+    heartbeat_s: float = Field(1.0, gt=0)
+    dead_after_s: float = Field(60.0, gt=0)
+    heldout: int = Field(100, ge=0, description="held-out episodes per environment, greedy, before and after")
+    checkpoint_every: int = Field(10, ge=1)
+    keep_last: int = Field(2, ge=1)
+
+    @field_validator("environments")
+    @classmethod
+    def _envs(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = sorted(set(v) - set(ENVIRONMENTS))
+        if bad:
+            raise ValueError(f"unknown environments {bad}; known: {', '.join(sorted(ENVIRONMENTS))}")
+        if any(w < 0 for w in v.values()) or not any(w > 0 for w in v.values()):
+            raise ValueError("environment weights must be >= 0 with at least one > 0")
+        return v
+
+
+# ---------------------------------------------------------------- prompts
+class Prompts:
+    """Group id -> task, a pure function of (seed, group): resume and re-routing see the same."""
+
+    def __init__(self, cfg: RLAgenticConfig, seed: int):
+        self.seed, self.weights = seed, {k: w for k, w in cfg.environments.items() if w > 0}
+        self.pools = {e: tasks_for(e, "train", 2000, seed) for e in self.weights}
+
+    def task(self, group: int) -> Task:
+        rng = random.Random(self.seed * 1_000_003 + group)
+        env = rng.choices(list(self.weights), weights=list(self.weights.values()))[0]
+        return rng.choice(self.pools[env])
+
+
+def env_factory(cfg: RLAgenticConfig, task: Task):
+    return lambda: make_env(task.domain, **cfg.env_args.get(task.domain, {}))
+
+
+# ---------------------------------------------------------------- the trainer step
+def train_step(model: GLMModel, opt: torch.optim.Optimizer, groups: dict[int, list[Sample]], version: int,
+               cfg: RLAgenticConfig, pad_id: int) -> dict[str, Any]:
+    f = filter_groups(groups, version, cfg.tau)
+    stats: dict[str, Any] = {"kept": len(f.kept), "dropped": dict(f.dropped), "lag": dict(f.lags),
+                             "kept_length_mean": _mean(f.kept_lengths), "dropped_length_mean": _mean(f.dropped_lengths)}
+    if not f.kept:
+        return {**stats, "loss": 0.0, "is_masked_fraction": 0.0, "grad_norm": 0.0}
+    adv = group_advantages(torch.tensor([s.reward for s in f.kept]), torch.tensor([s.group for s in f.kept]))
+    for s, a in zip(f.kept, adv.tolist()):
+        s.advantage = a
+    batch = collate(f.kept, pad_id)
+    model.train()
+    logits = model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logp = (logits.float() / cfg.temperature).log_softmax(-1).gather(-1, batch["targets"][..., None]).squeeze(-1)
+    loss, is_stats = double_sided_is_loss(logp, batch["rollout_logprobs"], batch["advantages"],
+                                          batch["response_mask"], cfg.eps_low, cfg.eps_high)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    gnorm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.grad_clip)
+    opt.step()
+    return {**stats, **is_stats, "loss": float(loss.detach()), "grad_norm": float(gnorm)}
+
+
+def _mean(xs: list[int]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def reset_optimizer(opt: torch.optim.Optimizer) -> None:
+    """GLM-5 resets the optimizer state after each weight sync."""
+    opt.state.clear()
+
+
+# ---------------------------------------------------------------- checkpoints
+def save_checkpoint(root: Path, step: int, model, opt, state: dict[str, Any], buffer: dict[int, list[Sample]],
+                    keep_last: int) -> None:
+    tag = checkpoint.tag_for(step)
+    d = root / tag
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, d / STATE)
+    (d / BUFFER).write_text(json.dumps({str(g): [sample_to_dict(s) for s in ss] for g, ss in buffer.items()}))
+    checkpoint.finalize(root, tag, {"step": step, **state}, keep_last)
+
+
+def load_checkpoint(root: Path, model, opt) -> tuple[dict[str, Any], dict[int, list[Sample]]] | None:
+    found = checkpoint.select_resume(root)
+    if found is None:
+        return None
+    tag, meta = found
+    st = torch.load(root / tag / STATE, weights_only=True)
+    model.load_state_dict(st["model"])
+    opt.load_state_dict(st["optimizer"])
+    raw = json.loads((root / tag / BUFFER).read_text())
+    return meta, {int(g): [sample_from_dict(s) for s in ss] for g, ss in raw.items()}
+
+
+# ---------------------------------------------------------------- evaluation
+def evaluate(engine: RolloutEngine, tokenizer, cfg: RLAgenticConfig, tasks: list[Task], seed: int) -> dict[str, Any]:
+    """Greedy episodes of held-out tasks: accuracy (reward 1) per environment."""
+    greedy = SamplingParams(0.0, 1.0, cfg.max_new_tokens)
+    by_env: dict[str, list[float]] = {}
+    for i, t in enumerate(tasks):
+        (s, *_) = run_group(engine, tokenizer, env_factory(cfg, t), t, -1 - i, 1, greedy, cfg.max_turns, seed)
+        by_env.setdefault(t.domain, []).append(float(s.reward >= 1.0))
+    out = {}
+    for e, xs in by_env.items():
+        p = sum(xs) / len(xs)
+        out[e] = {"acc": p, "stderr": math.sqrt(p * (1 - p) / len(xs)), "n": len(xs)}
+    return out
+
+
+# ---------------------------------------------------------------- the stage
+def run_rl_agentic(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
+    tokenizer = load_tokenizer(inputs["tokenize"])
+    model = load_state(inputs["rl-reasoning"] / "consolidated.safetensors")
+    for p in indexer_parameters(model):
+        p.requires_grad_(False)
+    pad_id = tokenizer.token_to_id("<|pad|>")
+    stop_ids = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
+    seed = workdir.seed
+    torch.manual_seed(seed)
+    prompts = Prompts(cfg, seed)
+    heldout = [t for e in prompts.weights for t in tasks_for(e, "heldout", cfg.heldout, seed)]
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=cfg.betas,
+                            weight_decay=0.0)
+    sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
+    engine = RolloutEngine(model, tokenizer, stop_ids, pad_id, int4=cfg.rollout_int4, batch_size=cfg.rollout_batch)
+    ckpt_root, log_path = workdir.checkpoint / "ckpt", workdir.checkpoint / "metrics.jsonl"
+    B = cfg.prompts_per_step * cfg.group_size
+
+    resumed = load_checkpoint(ckpt_root, model, opt)
+    if resumed is None:
+        engine.sync(model, 0)
+        state = {"step": 0, "version": 0, "next_group": 0, "submitted": 0, "inflight": [],
+                 "before": evaluate(engine, tokenizer, cfg, heldout, seed)}
+        buffer: dict[int, list[Sample]] = {}
+        log_path.unlink(missing_ok=True)
+    else:
+        state, buffer = resumed
+        metrics.truncate(log_path, state["step"])
+        log.info("rl-agentic: resuming after step %d (%d groups buffered, %d re-submitted)", state["step"],
+                 len(buffer), len(state["inflight"]))
+
+    pool = None
+    if not cfg.synchronous:
+        pool = WorkerPool(cfg.workers, worker_config(cfg, inputs, seed), workdir.checkpoint / "weights",
+                          heartbeat_s=cfg.heartbeat_s, dead_after_s=cfg.dead_after_s)
+        pool.start()
+    try:
+        if pool is not None:
+            pool.publish(model, state["version"])
+            for g in state["inflight"]:                     # in flight at the checkpoint: generate again
+                pool.submit(g, prompts.task(g), cfg.group_size)
+        while state["step"] < cfg.steps:
+            t0 = time.perf_counter()
+            if pool is None:                                # synchronous reference: one batch per step
+                engine.sync(model, state["version"])
+                while sum(map(len, buffer.values())) < B:
+                    g = state["next_group"]
+                    t = prompts.task(g)
+                    buffer[g] = run_group(engine, tokenizer, env_factory(cfg, t), t, g, cfg.group_size, sampling,
+                                          cfg.max_turns, seed)
+                    state["next_group"] += 1
+            else:
+                while admit(state["submitted"], cfg.group_size, state["version"], cfg.eta, B):
+                    g = state["next_group"]
+                    pool.submit(g, prompts.task(g), cfg.group_size)
+                    state["next_group"] += 1
+                    state["submitted"] += cfg.group_size
+                for g, samples in pool.poll(timeout=1.0):
+                    buffer[g] = samples
+                if sum(map(len, buffer.values())) < B:
+                    continue
+            idle = time.perf_counter() - t0
+            take: dict[int, list[Sample]] = {}
+            for g in sorted(buffer):                        # oldest groups first
+                if sum(map(len, take.values())) >= B:
+                    break
+                take[g] = buffer.pop(g)
+            rec = train_step(model, opt, take, state["version"], cfg, pad_id)
+            state["step"] += 1
+            if state["step"] % cfg.sync_every == 0:
+                state["version"] += 1
+                reset_optimizer(opt)
+                if pool is not None:
+                    pool.publish(model, state["version"])
+            rewards = [s.reward for ss in take.values() for s in ss]
+            rec.update(step=state["step"], version=state["version"], groups=sorted(take),
+                       reward=sum(rewards) / len(rewards), wait_s=idle, step_s=time.perf_counter() - t0,
+                       worker_restarts=pool.restarts if pool else 0, rerouted=pool.rerouted if pool else 0)
+            metrics.append(log_path, rec)
+            workdir.progress(state["step"], cfg.steps, f"rl-agentic reward {rec['reward']:.3f}")
+            if state["step"] % cfg.checkpoint_every == 0 or state["step"] == cfg.steps:
+                state["inflight"] = sorted(pool.inflight()) if pool else []
+                save_checkpoint(ckpt_root, state["step"], model, opt, state, buffer, cfg.keep_last)
+                workdir.persist_checkpoint()
+    finally:
+        if pool is not None:
+            pool.close()
+    engine.sync(model, state["version"])
+    after = evaluate(engine, tokenizer, cfg, heldout, seed)
+    records = metrics.read(log_path)
+    return publish(model, inputs, workdir.out, records, state["before"], after)
+
+
+def worker_config(cfg: RLAgenticConfig, inputs: dict[str, Path], seed: int) -> dict[str, Any]:
+    return {"tokenizer": str(inputs["tokenize"]), "seed": seed, "max_turns": cfg.max_turns,
+            "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens},
+            "int4": cfg.rollout_int4.model_dump() if cfg.rollout_int4 else None, "batch_size": cfg.rollout_batch,
+            "env_args": cfg.env_args, "threads": 1}
+
+
+def first_last(records: list[dict[str, Any]], key: str) -> dict[str, float] | None:
+    vals = [r[key] for r in records if r.get(key) is not None]
+    if not vals:
+        return None
+    k = max(1, len(vals) // 10)
+    return {"first": sum(vals[:k]) / k, "last": sum(vals[-k:]) / k}
+
+
+def publish(model, inputs, out: Path, records, before, after) -> dict[str, Any]:
+    drops: Counter = Counter()
+    lags: Counter = Counter()
+    for r in records:
+        drops.update(r.get("dropped", {}))
+        lags.update({str(k): v for k, v in r.get("lag", {}).items()})
+    trained = [g for r in records for g in r["groups"]]
+    result = {
+        "steps": len(records),
+        "reward": first_last(records, "reward"),
+        "heldout_accuracy": {e: {"before": before[e]["acc"], "after": after[e]["acc"], "n": after[e]["n"]}
+                             for e in after},
+        "dropped": dict(drops),
+        "kept_length_mean": first_last(records, "kept_length_mean"),
+        "dropped_length_mean": _mean([r["dropped_length_mean"] for r in records if r.get("dropped_length_mean")]),
+        "is_masked_fraction": sum(r.get("is_masked_fraction", 0.0) for r in records) / len(records),
+        "version_lag_histogram": dict(sorted(lags.items())),
+        "worker_restarts": records[-1]["worker_restarts"],
+        "rerouted_groups": records[-1]["rerouted"],
+        "groups_trained": len(trained),
+        "groups_trained_twice": len(trained) - len(set(trained)),
+        "trainer_wait_fraction": sum(r["wait_s"] for r in records) / max(sum(r["step_s"] for r in records), 1e-9),
+    }
+    export(model, out, str(inputs["tokenize"]), {"reward_last": (result["reward"] or {}).get("last")})
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    keys = sorted({k for r in records for k, v in r.items() if isinstance(v, (int, float)) and k != "step"})
+    metrics.write_tensorboard(records, out / "tensorboard", keys=keys)
+    return result
+
+
+STAGE = StageSpec("rl-agentic", "rl_agentic", RLAgenticConfig, run_rl_agentic, parents=("rl-reasoning", "tokenize"))
+STAGES: list[StageSpec] = [STAGE]
