@@ -190,3 +190,70 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), n[2], n[3], n[4]))
     p = state["python"]
     random.setstate((p[0], tuple(p[1]), p[2]))
+
+
+# ---------------------------------------------------------------- resuming on another rank count
+def reshard(meta: dict[str, Any], train: dict[str, Any], world: int) -> tuple[dict[str, Any], list[Any]]:
+    """A checkpoint written by meta["world_size"] ranks, resumed by `world` ranks: the data-loader
+    state and the per-rank RNG states for the new layout, or a ValueError saying why it cannot be.
+
+    The model and optimizer move by themselves: at ZeRO 0 every rank holds the whole state (rank 0
+    wrote it); at ZeRO 1/2 the ranks' partitions are converted to DeepSpeed's universal checkpoint (one
+    folder per parameter: fp32, exp_avg, exp_avg_sq; `to_universal`) and loaded with
+    `checkpoint.load_universal`, which cuts them for the new data-parallel size.
+    What remains is the data order. The loader deals the epoch's permutation round-robin, so
+    after `index` sequences per rank on W ranks exactly the first index*W positions are consumed
+    and each step takes the next micro*accum*W: the same global batches come next on W' ranks if
+    the global batch (micro_batch_size x grad_accum x ranks) is unchanged. RNG: rank r continues
+    old rank r's stream (r mod the old count) -- the training step draws no random numbers, so
+    this only has to be valid, not equal."""
+    old = int(meta["world_size"])
+    if old == world:
+        return meta["loader"], meta["rng"]
+    saved = meta["train"]
+    if saved.get("zero_stage", 0) > 0 and saved.get("optimizer") == "deepspeed_muon":
+        raise ValueError(f"checkpoint step {meta['step']} (optimizer deepspeed_muon, ZeRO {saved['zero_stage']}) "
+                         f"was written by {old} ranks: DeepSpeed's universal conversion carries Adam's state "
+                         "(exp_avg, exp_avg_sq), not Muon's momentum_buffer; resume it on the same number of ranks")
+    if int(train.get("zero_stage", 0)) != int(saved.get("zero_stage", 0)):
+        raise ValueError(f"checkpoint step {meta['step']} is ZeRO {saved.get('zero_stage', 0)}, this run "
+                         f"zero_stage {train.get('zero_stage', 0)}: change rank count or ZeRO stage, not both")
+    before = saved["micro_batch_size"] * saved["grad_accum"] * old
+    now = train["micro_batch_size"] * train["grad_accum"] * world
+    if before != now:
+        raise ValueError(
+            f"checkpoint step {meta['step']}: global batch was {saved['micro_batch_size']} (micro_batch_size) x "
+            f"{saved['grad_accum']} (grad_accum) x {old} ranks = {before} sequences, this run has "
+            f"{train['micro_batch_size']} x {train['grad_accum']} x {world} = {now}; keep it equal "
+            f"(e.g. grad_accum {before // (train['micro_batch_size'] * world)}) to resume on {world} ranks")
+    loader = dict(meta["loader"])
+    consumed = int(loader["index"]) * old
+    if consumed % world:
+        raise ValueError(f"checkpoint step {meta['step']}: {consumed} sequences of epoch {loader['epoch']} consumed, "
+                         f"not divisible by {world} ranks")
+    loader.update(index=consumed // world, world=world)
+    rngs = [meta["rng"][r % old] for r in range(world)]
+    return loader, rngs
+
+
+UNIVERSAL = "universal"   # ckpt_dir/universal/<tag>: a checkpoint converted for another rank count
+
+
+def to_universal(root: Path, tag: str) -> Path:
+    """Convert checkpoint `tag` (ZeRO 1/2, per-rank optimizer partitions) to DeepSpeed's universal
+    format under root/universal/<tag> with DeepSpeed's own converter (ds_to_universal, run as a
+    process: it forks worker pools). Replaces an earlier conversion; returns the folder."""
+    import subprocess
+    import sys
+
+    out = Path(root) / UNIVERSAL / tag
+    shutil.rmtree(out, ignore_errors=True)
+    # the converter also writes temp files next to the output
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(Path(root) / tag),
+           "--output_folder", str(out), "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"ds_to_universal failed on {Path(root) / tag} (exit {done.returncode}):\n"
+                           + "\n".join((done.stdout + done.stderr).splitlines()[-20:]))
+    log.info("converted %s to a universal checkpoint in %s", tag, out)
+    return out

@@ -55,10 +55,14 @@ def _decay_groups(model: nn.Module) -> list[dict[str, Any]]:
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_engine(model: nn.Module, cfg: TrainConfig, cuda: bool):
+def build_engine(model: nn.Module, cfg: TrainConfig, cuda: bool, load_universal: bool = False):
+    """load_universal: the checkpoint to resume is DeepSpeed's universal format (written by
+    another rank count and converted, training.checkpoint.to_universal)."""
     import deepspeed
 
     conf = ds_config(cfg, cuda, sum(p.numel() for p in model.parameters()))
+    if load_universal:
+        conf["checkpoint"] = {"load_universal": True}
     if cfg.optimizer in CLIENT_MUON:
         opt = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas, eps=cfg.eps,
                               muon_split=cfg.optimizer == "muon_split", momentum=cfg.momentum,

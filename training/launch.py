@@ -64,6 +64,28 @@ def command(cfg: LaunchConfig, spec_path: Path, port: int) -> list[str]:
     return cmd + ["--module", "training.launch", str(spec_path)]
 
 
+def node_commands(cfg: LaunchConfig, spec_path: Path) -> list[list[str]]:
+    """Multi-node torchrun: the launcher command of every node (node_rank 0..nnodes-1), all
+    pointing at the same master address and port. Each node runs its own line (a Kubernetes
+    Indexed Job puts JOB_COMPLETION_INDEX there; by hand, ssh/pdsh); the DeepSpeed launcher instead
+    reads a hostfile (`hostfile_text`) and starts them itself over pdsh/ssh from node 0."""
+    if cfg.launcher != "torchrun":
+        raise ValueError("node_commands is for launcher: torchrun; the DeepSpeed launcher starts every node "
+                         "from node 0 with the hostfile")
+    if cfg.master_port is None:
+        raise ValueError("multi-node launch needs launch.master_port (every node must use the same one)")
+    return [command(cfg.model_copy(update={"node_rank": n}), spec_path, cfg.master_port) for n in range(cfg.nnodes)]
+
+
+def hostfile_text(hosts: list[str], cfg: LaunchConfig) -> str:
+    """The DeepSpeed launcher's hostfile for `hosts` (one per node, node 0 first): 'HOST slots=N'."""
+    if len(hosts) != cfg.nnodes:
+        raise ValueError(f"{len(hosts)} host(s) given for launch.nnodes={cfg.nnodes}")
+    if len(set(hosts)) != len(hosts):
+        raise ValueError(f"hosts repeat in {hosts}: the DeepSpeed launcher needs one line per node")
+    return "".join(f"{h} slots={cfg.nproc_per_node}\n" for h in hosts)
+
+
 def _failure(rc: int, tail: deque) -> str:
     """What failed, from torchrun's error summary ("Root Cause ... rank : 1 (local_rank: 1)",
     "exitcode : -9"), and the ranks' last lines before torchrun's own report."""

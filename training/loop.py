@@ -182,7 +182,15 @@ def train(spec: dict[str, Any], guard: PreemptionGuard | None = None) -> None:
         importlib.import_module(objective_spec["module"])
     objective = build_objective({k: v for k, v in objective_spec.items() if k != "module"})
     objective.prepare(model)
-    engine = build_engine(model, cfg, cuda)
+    resume_meta = json.loads((ckpt_dir / spec["resume"] / checkpoint.META).read_text()) if spec.get("resume") else None
+    # ZeRO 1/2 written by another rank count: DeepSpeed re-partitions only its universal format
+    universal = bool(resume_meta and resume_meta["world_size"] != world and cfg.zero_stage > 0)
+    if universal:
+        checkpoint.reshard(resume_meta, spec["train"], world)   # refuse before converting anything
+        if rank == 0:
+            checkpoint.to_universal(ckpt_dir, spec["resume"])
+        dist.barrier()
+    engine = build_engine(model, cfg, cuda, load_universal=universal)
     device = engine.device
 
     train_ds = PackedDataset(spec["data_dir"], "train")
@@ -194,13 +202,15 @@ def train(spec: dict[str, Any], guard: PreemptionGuard | None = None) -> None:
     step, tokens = 0, 0
     if spec.get("resume"):
         tag = spec["resume"]
-        meta = json.loads((ckpt_dir / tag / checkpoint.META).read_text())
-        if meta["world_size"] != world:
-            raise ValueError(f"checkpoint {tag} was written by {meta['world_size']} ranks, this run has {world}: "
-                             "DeepSpeed cannot re-partition it (convert it to a universal checkpoint first)")
-        engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False)
-        loader.load_state_dict(meta["loader"])
-        checkpoint.set_rng_state(meta["rng"][rank])
+        meta = resume_meta
+        # another rank count: loader position and RNGs re-dealt (or a ValueError saying why not)
+        loader_state, rngs = checkpoint.reshard(meta, spec["train"], world)
+        engine.load_checkpoint(str(ckpt_dir / checkpoint.UNIVERSAL if universal else ckpt_dir), tag=tag,
+                               load_optimizer_states=True, load_lr_scheduler_states=False)
+        loader.load_state_dict(loader_state)
+        checkpoint.set_rng_state(rngs[rank])
+        if rank == 0 and meta["world_size"] != world:
+            print(f"resharded {tag}: written by {meta['world_size']} rank(s), resumed on {world}", flush=True)
         step, tokens, eval_before = meta["step"], meta["tokens"], meta["eval_before"]
         if rank == 0:
             print(f"resumed from {tag}: step {step}, {tokens} tokens", flush=True)
@@ -254,7 +264,9 @@ def save(engine, ckpt_dir: Path, step: int, tokens: int, loader: PackedLoader, e
     tag = checkpoint.tag_for(step)
     rngs: list[Any] = [None] * world
     dist.all_gather_object(rngs, checkpoint.rng_state())  # every rank's RNG goes into rank 0's meta
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
+    # universal_checkpoint_info: what ds_to_universal requires of the client (no TP/PP patterns here)
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False,
+                           client_state={"universal_checkpoint_info": {}})
     dist.barrier()  # every rank's shards are on disk before rank 0 declares the checkpoint complete
     if rank == 0:
         meta = {"step": step, "tokens": tokens, "loader": loader.state_dict(), "rng": rngs, "world_size": world,
