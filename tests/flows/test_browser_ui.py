@@ -254,6 +254,7 @@ def _check_ui(tmp_path: Path, base: str, env: dict, log: Path, pipeline_run: str
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000, png
 
 
+@pytest.mark.timeout(1200)  # ~4 min here; a Prefect server on a busy 2-core machine can take longer
 def test_ui_shows_pipeline_tasks_metrics_and_images(tmp_path):
     """Fast variant: a 40-document input, the pipeline until pretrain (4 steps): 10 stage tasks."""
     from glmforge.pipeline import stages_until
@@ -274,6 +275,7 @@ def test_ui_shows_pipeline_tasks_metrics_and_images(tmp_path):
                   {"config_file": str(config), "preset": None})
 
 
+@pytest.mark.timeout(4200)  # the tiny pipeline itself is 7-14 min on 2 cores, more when they are shared
 def test_ui_shows_every_stage_of_the_tiny_pipeline(tmp_path):
     """Full variant: the `tiny` preset through sft, 16 stage tasks with every loss curve."""
     from glmforge.pipeline import stages_until
