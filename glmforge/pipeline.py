@@ -23,10 +23,13 @@ def _training() -> list[StageSpec]:
 
 
 def _posttrain() -> list[StageSpec]:
+    from posttrain.distill import STAGES as distill
+    from posttrain.reward_model import STAGES as reward_model
     from posttrain.rl_agentic import STAGES as rl_agentic
+    from posttrain.rl_general import STAGES as rl_general
     from posttrain.rl_reasoning import STAGES as rl_reasoning
 
-    return [*rl_reasoning, *rl_agentic]
+    return [*rl_reasoning, *rl_agentic, *reward_model, *rl_general, *distill]
 
 
 STAGES: list[StageSpec] = [INGEST, *_curation(), *_training(), *_posttrain()]
