@@ -1,0 +1,134 @@
+"""Agentic RL environments: registered classes that hold one episode's state and run its tools.
+
+The interface (what rl.agent.run_group drives; one fresh instance per episode):
+
+    env = make_env(name, **cfg)          # constructor arguments from the stage config (env_args)
+    env.tools                            # OpenAI-style function specs, shown through the chat template
+    env.reset(task) -> str               # the episode's first user message
+    env.step(calls) -> StepResult        # run one assistant turn's ToolCalls: one observation per call
+    env.final_reward(answer) -> RewardOutcome   # the answer: the last assistant message without
+                                         # tool calls ("" at max turns); score in [0, 1]
+
+    tasks_for(name, split, n, seed) -> list[Task]   # Task.domain == name; meta is JSON (it travels
+                                         # to rollout workers over the wire), so an episode needs
+                                         # nothing but its Task and the constructor arguments
+Splits are "train" and "heldout" (disjoint); "train" draws with replacement in a seeded order,
+"heldout" without (capped at the pool).
+
+An environment object is plain data (files as dicts of text, counters, a lazily built index), so
+it pickles and can be constructed in any worker process. Every execution of model-written code
+or shell commands goes through rl.sandbox with SandboxLimits.
+
+Environments:
+    swe_repair   fix an injected bug in an MBPP solution: read_file / write_file / run_tests
+    terminal     shell tasks in a sandboxed working folder: run(command); a verifier script checks
+    search       questions over the stdlib docstrings: search(query) / open(name)
+    calc_arith   rl.arithmetic addition with a calculator tool (the tiny CPU preset)
+
+manage_context (rl.envs.context) is the keep-recent-k / token-threshold context manager that
+rl.agent.run_group takes as `context=` (bind its arguments with context_manager(...)).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+from posttrain.chat_template import ToolCall
+from rl.rewards import RewardOutcome
+from rl.sample import Task
+
+__all__ = ["Environment", "StepResult", "ENVIRONMENTS", "register_env", "make_env", "tasks_for", "function_spec",
+           "draw", "ToolCall", "RewardOutcome", "manage_context", "context_manager", "TemplateTokenCounter"]
+
+SPLITS = ("train", "heldout")
+
+
+@dataclass
+class StepResult:
+    observations: list[str]                  # one per call, in order: the tool messages' contents
+    done: bool = False                       # the environment ends the episode (then final_reward)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Environment(Protocol):
+    name: str
+    tools: list[dict]
+
+    def reset(self, task: Task) -> str: ...
+
+    def step(self, calls: Sequence[ToolCall]) -> StepResult: ...
+
+    def final_reward(self, answer: str) -> RewardOutcome: ...
+
+    @classmethod
+    def tasks(cls, split: str, n: int, seed: int) -> list[Task]: ...
+
+
+ENVIRONMENTS: dict[str, type] = {}
+
+
+def register_env(name: str) -> Callable[[type], type]:
+    """Class decorator: ENVIRONMENTS[name] = cls, and cls.name = name."""
+    def deco(cls: type) -> type:
+        if name in ENVIRONMENTS and ENVIRONMENTS[name] is not cls:
+            raise ValueError(f"environment {name!r} is already registered ({ENVIRONMENTS[name].__module__})")
+        cls.name = name
+        ENVIRONMENTS[name] = cls
+        return cls
+    return deco
+
+
+def _get(name: str) -> type:
+    if name not in ENVIRONMENTS:
+        raise ValueError(f"unknown environment {name!r}; known: {', '.join(sorted(ENVIRONMENTS))}")
+    return ENVIRONMENTS[name]
+
+
+def make_env(name: str, **cfg: Any):
+    return _get(name)(**cfg)
+
+
+def tasks_for(name: str, split: str, n: int, seed: int) -> list[Task]:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    return _get(name).tasks(split, n, seed)
+
+
+def draw(pool: Sequence[Task], split: str, n: int, seed: int) -> list[Task]:
+    """The split convention: train with replacement in a seeded order, held-out without (capped)."""
+    if not pool:
+        raise ValueError(f"empty {split} pool")
+    rng = random.Random(seed)
+    if split == "heldout":
+        order = list(pool)
+        rng.shuffle(order)
+        return order[:n]
+    return [rng.choice(pool) for _ in range(n)]
+
+
+def function_spec(name: str, description: str, params: dict[str, str] | None = None) -> dict:
+    """An OpenAI-style tool spec whose parameters are all required strings (name -> description)."""
+    params = params or {}
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": {"type": "object",
+                       "properties": {k: {"type": "string", "description": d} for k, d in params.items()},
+                       "required": list(params)}}}
+
+
+def check_args(call: ToolCall, tools: Sequence[dict]) -> str | None:
+    """An error line for the model when the call names no tool or misses a required argument."""
+    spec = next((t["function"] for t in tools if t["function"]["name"] == call.name), None)
+    if spec is None:
+        return f"error: no such tool {call.name!r} (tools: {', '.join(t['function']['name'] for t in tools)})"
+    missing = [k for k in spec["parameters"].get("required", []) if k not in call.arguments]
+    if missing:
+        return f"error: {call.name} needs argument(s) {', '.join(missing)}"
+    return None
+
+
+from rl.envs.context import TemplateTokenCounter, context_manager, manage_context  # noqa: E402
+from rl.envs import calc_arith, search, swe_repair, terminal  # noqa: E402,F401  (registration)
