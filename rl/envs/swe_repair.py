@@ -15,7 +15,9 @@ skipped. Reference and mutants run in rl.sandbox (one run per task, SIGALRM per 
 
 Building takes minutes (one sandbox run per task), so the instances are built once and shipped in
 rl/envs/data/swe_repair_mbpp.jsonl (`python -m rl.envs build-swe-repair`, deterministic; the
-tests rebuild a few and compare).
+tests rebuild a few and compare). It is derived from samples/mbpp/mbpp.jsonl (CC-BY-4.0, see
+samples/SOURCES.md): 374 training tasks -> 283 instances (91 skipped: most have no mutable site,
+e.g. one-line library calls); in 199 of them the bug fails every assert (PASS_TO_PASS empty).
 
 Tools: read_file(path), write_file(path, content), run_tests() (the workspace's test file, so the
 model sees what it changed). The reward runs the original test file against the final
