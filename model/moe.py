@@ -11,11 +11,21 @@ MoE routing (fp32):
 Balancing is auxiliary-loss-free: after each optimiser step `update_router_bias` nudges b
 toward equal load (b_i += gamma * sign(mean_load - load_i)); a small sequence-wise balance
 loss (alpha) is the complement.
+
+Expert parallelism (off by default; `shard_experts(model, group)` turns it on): each rank of the
+group keeps E/R experts and its own tokens. The router, the shared expert and the balance loss
+stay per rank (replicated weights, local tokens); each (token, slot) is sent to the rank that
+owns its expert with all_to_all_single, the expert output comes back the same way and is
+weighted by the gate on the token's own rank (so router gradients stay local). Loads are summed
+over the group, so every rank makes the same bias update. Gradients: replicated weights are
+averaged over the group like data parallelism, expert weights divided by the group size
+(`sync_ep_gradients`), which equals one rank training on the concatenated batch.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -84,6 +94,15 @@ class Experts(nn.Module):
             y.index_add_(0, tok, h.to(y.dtype))
         return y
 
+    def apply_each(self, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """Row i of x through expert[i] (a local index), ungated: x [M,D] -> [M,D]."""
+        y = x.new_zeros(x.shape)
+        for e in expert.unique().tolist():
+            rows = torch.where(expert == e)[0]
+            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = y.index_add(0, rows, F.linear(F.silu(gate) * up, self.down_proj[e]))
+        return y
+
     dense_max = 64  # tokens x experts up to which computing every expert beats the loop
 
     def _all_experts(self, x: torch.Tensor, chosen: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
@@ -98,7 +117,29 @@ class Experts(nn.Module):
         return (w.t().to(h.dtype)[..., None] * h).sum(0)
 
 
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with its gradient (the reverse exchange). gloo implements
+    all_to_all_single on CPU (uneven splits included) and NCCL on GPU, so one path serves both."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
+        ctx.exchange = (out_splits, in_splits, group)
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits, group = ctx.exchange
+        g = grad.new_empty(sum(in_splits), *grad.shape[1:])
+        dist.all_to_all_single(g, grad.contiguous(), in_splits, out_splits, group=group)
+        return g, None, None, None
+
+
 class MoE(nn.Module):
+    ep_group = None  # expert-parallel process group; None = every expert on this rank
+    ep_rank, ep_size = 0, 1
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_experts, self.k = cfg.n_routed_experts, cfg.num_experts_per_tok
@@ -121,12 +162,17 @@ class MoE(nn.Module):
         """
         B, T, D = x.shape
         s, chosen, g = self.gate(x.reshape(-1, D))
-        y = self.experts(x.reshape(-1, D), chosen, g).view(B, T, D)
+        if self.ep_group is None:
+            y = self.experts(x.reshape(-1, D), chosen, g).view(B, T, D)
+        else:
+            y = self._experts_ep(x.reshape(-1, D), chosen, g).view(B, T, D)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         with torch.no_grad():
             routed = chosen if token_mask is None else chosen[token_mask.reshape(-1)]
             load = torch.bincount(routed.reshape(-1), minlength=self.n_experts).float()
+            if self.ep_group is not None:  # the group's load: every rank updates the bias alike
+                dist.all_reduce(load, group=self.ep_group)
             if self.training:
                 self.load_since_update += load
         if not torch.is_grad_enabled():   # inference: the balance term is a training loss
@@ -138,6 +184,56 @@ class MoE(nn.Module):
         f = hits.sum(1) * self.n_experts / (self.k * n_tok[:, None])           # [B,E]
         p = ((s / s.sum(-1, keepdim=True)).view(B, T, -1) * m[..., None]).sum(1) / n_tok[:, None]
         return y, {"load": load, "balance": (f * p).sum(-1).mean()}
+
+    def _experts_ep(self, x: torch.Tensor, chosen: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        """Experts over the EP group: x [N,D], chosen/gates [N,K] -> [N,D]."""
+        K = chosen.shape[1]
+        per_rank = self.n_experts // self.ep_size
+        e = chosen.reshape(-1)
+        order = torch.argsort(e // per_rank, stable=True)          # (token, slot) grouped by owner
+        tok = order // K
+        send_counts = torch.bincount(e // per_rank, minlength=self.ep_size)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
+        send, recv = send_counts.tolist(), recv_counts.tolist()
+        local_e = torch.empty(sum(recv), dtype=e.dtype, device=e.device)
+        dist.all_to_all_single(local_e, e[order] % per_rank, recv, send, group=self.ep_group)
+        xs = _AllToAll.apply(x[tok], recv, send, self.ep_group)
+        back = _AllToAll.apply(self.experts.apply_each(xs, local_e), send, recv, self.ep_group)
+        w = gates.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add(0, tok, (back * w).to(x.dtype))
+
+
+def shard_experts(model: nn.Module, group=None) -> None:
+    """Expert parallelism over `group` (default: the world): every MoE keeps the experts
+    [rank*E/R, (rank+1)*E/R) and dispatches tokens to the others with all-to-all. Call after
+    initialising (or loading) the full model identically on every rank."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    for m in model.modules():
+        if isinstance(m, MoE):
+            if m.n_experts % size:
+                raise ValueError(f"n_routed_experts={m.n_experts} is not divisible by the expert-parallel size {size}")
+            n = m.n_experts // size
+            ex = m.experts
+            ex.gate_up_proj = nn.Parameter(ex.gate_up_proj.detach()[rank * n : (rank + 1) * n].clone())
+            ex.down_proj = nn.Parameter(ex.down_proj.detach()[rank * n : (rank + 1) * n].clone())
+            m.ep_group, m.ep_rank, m.ep_size = group if group is not None else dist.group.WORLD, rank, size
+
+
+@torch.no_grad()
+def sync_ep_gradients(model: nn.Module, group=None) -> None:
+    """After backward on an EP model whose ranks saw different tokens: average replicated
+    weights' gradients over the group (data parallelism) and divide sharded experts' by the
+    group size (they already hold the sum over every rank's tokens)."""
+    size = dist.get_world_size(group)
+    sharded = {id(p) for m in model.modules() if isinstance(m, MoE) and m.ep_group is not None
+               for p in m.experts.parameters()}
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if id(p) not in sharded:
+            dist.all_reduce(p.grad, group=group)
+        p.grad.div_(size)
 
 
 @torch.no_grad()
