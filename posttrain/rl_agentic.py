@@ -46,9 +46,11 @@ from data_processing.tokenizer import load_tokenizer
 from glmforge.stage import StageSpec, Workdir
 from model.hf import load_state
 from model.model import GLMModel, indexer_parameters
+from posttrain import gates
 from posttrain.chat_template import STOP_TOKENS
+from posttrain.gates import GateConfig
 from posttrain.qat import QATConfig
-from rl.agent import run_group
+from rl.agent import context_for, run_group
 from rl.envs import ENVIRONMENTS, make_env, tasks_for
 from rl.grpo import collate
 from rl.loss import double_sided_is_loss, group_advantages
@@ -64,6 +66,13 @@ log = logging.getLogger("glmforge")
 STATE, BUFFER = "state.pt", "buffer.json"
 
 
+class ContextConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    keep_recent: int = Field(3, ge=1, description="tool results kept visible; older ones are elided")
+    max_tokens: Optional[int] = Field(None, ge=64, description="history reset above this many tokens")
+
+
 class RLAgenticConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -73,6 +82,7 @@ class RLAgenticConfig(BaseModel):
     environments: dict[str, float] = Field({"calc_arith": 1.0}, description="episode weights over rl.envs")
     env_args: dict[str, dict[str, Any]] = Field({}, description="constructor arguments per environment")
     max_turns: int = Field(4, ge=1)
+    context: Optional[ContextConfig] = Field(None, description="keep-recent-k context management (forks trajectories)")
     workers: int = Field(2, ge=1, description="rollout worker processes")
     synchronous: bool = Field(False, description="the on-policy reference: generate in the trainer, no workers")
     eta: int = Field(1, ge=0, description="admission: samples start at most eta versions behind")
@@ -93,6 +103,7 @@ class RLAgenticConfig(BaseModel):
     heldout: int = Field(100, ge=0, description="held-out episodes per environment, greedy, before and after")
     checkpoint_every: int = Field(10, ge=1)
     keep_last: int = Field(2, ge=1)
+    gates: GateConfig = GateConfig()
 
     @field_validator("environments")
     @classmethod
@@ -121,6 +132,14 @@ class Prompts:
 
 def env_factory(cfg: RLAgenticConfig, task: Task):
     return lambda: make_env(task.domain, **cfg.env_args.get(task.domain, {}))
+
+
+def episodes(engine, tokenizer, cfg: RLAgenticConfig, task: Task, group: int, n: int, params: SamplingParams,
+             seed: int) -> list[Sample]:
+    """In-process episodes (the synchronous path and evaluation): what a rollout worker runs."""
+    make = env_factory(cfg, task)
+    ctx = context_for(cfg.context.model_dump() if cfg.context else None, tokenizer, make().tools)
+    return run_group(engine, tokenizer, make, task, group, n, params, cfg.max_turns, seed, context=ctx)
 
 
 # ---------------------------------------------------------------- the trainer step
@@ -186,7 +205,7 @@ def evaluate(engine: RolloutEngine, tokenizer, cfg: RLAgenticConfig, tasks: list
     greedy = SamplingParams(0.0, 1.0, cfg.max_new_tokens)
     by_env: dict[str, list[float]] = {}
     for i, t in enumerate(tasks):
-        (s, *_) = run_group(engine, tokenizer, env_factory(cfg, t), t, -1 - i, 1, greedy, cfg.max_turns, seed)
+        (s, *_) = episodes(engine, tokenizer, cfg, t, -1 - i, 1, greedy, seed)
         by_env.setdefault(t.domain, []).append(float(s.reward >= 1.0))
     out = {}
     for e, xs in by_env.items():
@@ -218,7 +237,8 @@ def run_rl_agentic(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workd
     if resumed is None:
         engine.sync(model, 0)
         state = {"step": 0, "version": 0, "next_group": 0, "submitted": 0, "inflight": [],
-                 "before": evaluate(engine, tokenizer, cfg, heldout, seed)}
+                 "before": evaluate(engine, tokenizer, cfg, heldout, seed),
+                 "gates_before": gates.measure(model, tokenizer, cfg.gates.evals, seed)}
         buffer: dict[int, list[Sample]] = {}
         log_path.unlink(missing_ok=True)
     else:
@@ -237,15 +257,14 @@ def run_rl_agentic(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workd
             pool.publish(model, state["version"])
             for g in state["inflight"]:                     # in flight at the checkpoint: generate again
                 pool.submit(g, prompts.task(g), cfg.group_size)
+        t_prev = time.perf_counter()                        # end of the previous optimizer step
         while state["step"] < cfg.steps:
-            t0 = time.perf_counter()
             if pool is None:                                # synchronous reference: one batch per step
                 engine.sync(model, state["version"])
                 while sum(map(len, buffer.values())) < B:
                     g = state["next_group"]
                     t = prompts.task(g)
-                    buffer[g] = run_group(engine, tokenizer, env_factory(cfg, t), t, g, cfg.group_size, sampling,
-                                          cfg.max_turns, seed)
+                    buffer[g] = episodes(engine, tokenizer, cfg, t, g, cfg.group_size, sampling, seed)
                     state["next_group"] += 1
             else:
                 while admit(state["submitted"], cfg.group_size, state["version"], cfg.eta, B):
@@ -257,7 +276,7 @@ def run_rl_agentic(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workd
                     buffer[g] = samples
                 if sum(map(len, buffer.values())) < B:
                     continue
-            idle = time.perf_counter() - t0
+            idle = time.perf_counter() - t_prev                # the trainer waited for samples this long
             take: dict[int, list[Sample]] = {}
             for g in sorted(buffer):                        # oldest groups first
                 if sum(map(len, take.values())) >= B:
@@ -272,7 +291,7 @@ def run_rl_agentic(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workd
                     pool.publish(model, state["version"])
             rewards = [s.reward for ss in take.values() for s in ss]
             rec.update(step=state["step"], version=state["version"], groups=sorted(take),
-                       reward=sum(rewards) / len(rewards), wait_s=idle, step_s=time.perf_counter() - t0,
+                       reward=sum(rewards) / len(rewards), wait_s=idle, step_s=time.perf_counter() - t_prev,
                        worker_restarts=pool.restarts if pool else 0, rerouted=pool.rerouted if pool else 0)
             metrics.append(log_path, rec)
             workdir.progress(state["step"], cfg.steps, f"rl-agentic reward {rec['reward']:.3f}")
@@ -280,20 +299,24 @@ def run_rl_agentic(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workd
                 state["inflight"] = sorted(pool.inflight()) if pool else []
                 save_checkpoint(ckpt_root, state["step"], model, opt, state, buffer, cfg.keep_last)
                 workdir.persist_checkpoint()
+            t_prev = time.perf_counter()
     finally:
         if pool is not None:
             pool.close()
     engine.sync(model, state["version"])
     after = evaluate(engine, tokenizer, cfg, heldout, seed)
     records = metrics.read(log_path)
-    return publish(model, inputs, workdir.out, records, state["before"], after)
+    gated = gates.finish("rl-agentic", workdir.out, gates.read_chain(inputs.get("rl-reasoning")), "rl-reasoning",
+                         state["gates_before"], gates.measure(model, tokenizer, cfg.gates.evals, seed),
+                         cfg.gates.tolerances)
+    return {**publish(model, inputs, workdir.out, records, state["before"], after), "gates": gated}
 
 
 def worker_config(cfg: RLAgenticConfig, inputs: dict[str, Path], seed: int) -> dict[str, Any]:
     return {"tokenizer": str(inputs["tokenize"]), "seed": seed, "max_turns": cfg.max_turns,
             "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens},
             "int4": cfg.rollout_int4.model_dump() if cfg.rollout_int4 else None, "batch_size": cfg.rollout_batch,
-            "env_args": cfg.env_args, "threads": 1}
+            "env_args": cfg.env_args, "threads": 1, "context": cfg.context.model_dump() if cfg.context else None}
 
 
 def first_last(records: list[dict[str, Any]], key: str) -> dict[str, float] | None:

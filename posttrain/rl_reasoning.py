@@ -40,7 +40,9 @@ from glmforge import shutdown
 from glmforge.stage import StageSpec, Workdir
 from model.hf import load_state
 from model.model import GLMModel, indexer_parameters
+from posttrain import gates
 from posttrain.chat_template import STOP_TOKENS
+from posttrain.gates import GateConfig
 from posttrain.qat import QATConfig
 from rl import arithmetic
 from rl.grpo import UpdateParams, assign_advantages, update
@@ -92,6 +94,7 @@ class RLReasoningConfig(BaseModel):
     checkpoint_every: int = Field(20, ge=1)
     keep_last: int = Field(2, ge=1)
     examples: int = Field(8, ge=0, description="rollouts of the last step written to samples.jsonl")
+    gates: GateConfig = GateConfig()
 
     @field_validator("domains")
     @classmethod
@@ -239,6 +242,7 @@ def run_rl_reasoning(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: W
         resumed = load_checkpoint(ckpt_root, model, opt, gen)
         if resumed is None:
             start, before = 0, evaluate(engine, model, worker, tokenizer, cfg, heldout, gsm8k, 0)
+            before["gates"] = gates.measure(model, tokenizer, cfg.gates.evals, seed)
             log_path.unlink(missing_ok=True)
         else:
             start, before = resumed
@@ -273,6 +277,7 @@ def run_rl_reasoning(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: W
                     raise shutdown.Preempted(f"rl-reasoning stopped by a signal: checkpoint at step {step} of "
                                              f"{cfg.steps} written")
         after = evaluate(engine, model, worker, tokenizer, cfg, heldout, gsm8k, cfg.steps + 1)
+    after["gates"] = gates.measure(model, tokenizer, cfg.gates.evals, seed)
 
     records = metrics.read(log_path)
     return publish(cfg, model, inputs, workdir.out, records, before, after, samples)
@@ -306,6 +311,9 @@ def publish(cfg: RLReasoningConfig, model: GLMModel, inputs: dict[str, Path], ou
                              for k in ("generate", "reward", "train")},
         "rollout_int4": cfg.rollout_int4 is not None,
     }
+    # the gate before the export: a stage that breaks one publishes nothing
+    result["gates"] = gates.finish("rl-reasoning", out, gates.read_chain(inputs.get("sft")), "sft",
+                                   before["gates"], after["gates"], cfg.gates.tolerances)
     export(model, out, str(inputs["tokenize"]), {"heldout_before": b["acc"], "heldout_after": a["acc"]})
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     keys = sorted({k for r in records for k, v in r.items() if isinstance(v, (int, float)) and k != "step"})

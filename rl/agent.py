@@ -45,6 +45,16 @@ class Env(Protocol):
 ContextManager = Callable[[list[Message]], tuple[list[Message], bool]]
 
 
+def context_for(settings: dict[str, Any] | None, tokenizer, tools: list[dict]) -> ContextManager | None:
+    """rl.envs.context.manage_context bound to {"keep_recent": k, "max_tokens": n}, or None."""
+    if not settings:
+        return None
+    from rl.envs.context import TemplateTokenCounter, context_manager
+
+    return context_manager(settings["keep_recent"], settings.get("max_tokens"),
+                           TemplateTokenCounter(tokenizer, tools))
+
+
 def seed_for(*parts: Any) -> int:
     """A generator seed from (seed, group id, turn, ...): rollouts do not depend on which worker
     runs them or in what order, so a re-routed or resumed group regenerates identically."""

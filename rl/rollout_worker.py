@@ -38,7 +38,7 @@ def serve(address: tuple[str, int], worker_id: str) -> None:
     from model.hf import load_state
     from posttrain.chat_template import STOP_TOKENS
     from posttrain.qat import QATConfig
-    from rl.agent import run_group
+    from rl.agent import context_for, run_group
     from rl.envs import make_env
     from rl.rollout import RolloutEngine, SamplingParams
     from rl.wire import sample_to_dict, task_from_dict
@@ -89,8 +89,9 @@ def serve(address: tuple[str, int], worker_id: str) -> None:
                 if engine is None:
                     raise RuntimeError("generate before any weights were published")
                 t = task_from_dict(task)
-                samples = run_group(engine, tokenizer, lambda: make_env(t.domain, **cfg["env_args"].get(t.domain, {})),
-                                    t, group, n, params, cfg["max_turns"], cfg["seed"], on_turn=drain)
+                env = lambda: make_env(t.domain, **cfg["env_args"].get(t.domain, {}))  # noqa: E731
+                samples = run_group(engine, tokenizer, env, t, group, n, params, cfg["max_turns"], cfg["seed"],
+                                    context=context_for(cfg.get("context"), tokenizer, env().tools), on_turn=drain)
                 send(("result", worker_id, group, [sample_to_dict(s) for s in samples]))
     except (EOFError, OSError):
         pass                                   # the orchestrator went away: nothing to answer to

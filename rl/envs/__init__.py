@@ -131,4 +131,4 @@ def check_args(call: ToolCall, tools: Sequence[dict]) -> str | None:
 
 
 from rl.envs.context import TemplateTokenCounter, context_manager, manage_context  # noqa: E402
-from rl.envs import calc_arith, search, swe_repair, terminal  # noqa: E402,F401  (registration)
+from rl.envs import calc_arith, delayed, search, swe_repair, terminal  # noqa: E402,F401  (registration)

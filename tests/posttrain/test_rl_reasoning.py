@@ -30,7 +30,8 @@ def inputs(tmp_path_factory):
 def _cfg(**kw) -> RLReasoningConfig:
     base = dict(steps=3, prompts_per_step=2, group_size=4, lr=1e-3, max_new_tokens=4, heldout=8,
                 gsm8k_test=2, gsm8k_max_new_tokens=4, checkpoint_every=1, rollout_int4={"group_size": 16},
-                reward_timeout_s=30)
+                reward_timeout_s=30,
+                gates={"evals": {"arithmetic": 4, "gsm8k": 2, "gsm8k_max_new_tokens": 4, "tool_max_new_tokens": 4}})
     return RLReasoningConfig(**{**base, **kw})
 
 
@@ -42,8 +43,9 @@ def test_stage_reports_rewards_heldout_and_icepop(inputs, tmp_path):
     assert h["n"] == 8 and 0 <= h["before"] <= 1 and h["stderr_after"] >= 0
     assert m["gsm8k_test_accuracy"]["n"] == 2
     assert 0 <= m["icepop_masked_fraction"] <= 1 and m["rollout_int4"] is True
+    assert {"arithmetic_acc", "heldout_ppl"} <= set(m["gates"]["rl-reasoning"])
     out = tmp_path / "out"
-    for f in ("consolidated.safetensors", "reward.png", "metrics.jsonl", "samples.jsonl", "eval.json"):
+    for f in ("consolidated.safetensors", "reward.png", "metrics.jsonl", "samples.jsonl", "eval.json", "gates.md"):
         assert (out / f).exists(), f
     rec = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rec] == [1, 2, 3]
