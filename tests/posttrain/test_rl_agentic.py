@@ -74,3 +74,41 @@ def test_killed_stage_resumes_without_losing_or_repeating_a_group(inputs, tmp_pa
     assert [r["step"] for r in rec] == [1, 2, 3, 4]
     trained = [g for r in rec for g in r["groups"]]
     assert len(trained) == len(set(trained)) and m["groups_trained_twice"] == 0
+
+
+def test_sigterm_stops_the_stage_and_leaves_no_rollout_worker(inputs, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = f"""
+import sys
+from pathlib import Path
+from glmforge import shutdown
+from glmforge.stage import Workdir
+from posttrain.rl_agentic import RLAgenticConfig, run_rl_agentic
+shutdown.install()
+cfg = RLAgenticConfig(steps=1000, prompts_per_step=2, group_size=3, max_new_tokens=6, max_turns=2, heldout=1,
+                      workers=2, environments={{"calc_arith": 1.0}},
+                      gates={{"evals": {{"arithmetic": 1, "gsm8k": 1, "gsm8k_max_new_tokens": 1, "tool_max_new_tokens": 1}}}})
+inputs = {{"tokenize": Path({str(inputs["tokenize"])!r}), "rl-reasoning": Path({str(inputs["rl-reasoning"])!r})}}
+try:
+    run_rl_agentic(cfg, inputs, Workdir.at(Path({str(tmp_path)!r}), seed=1))
+except KeyboardInterrupt:
+    sys.exit(143)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    workers = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (tmp_path / "checkpoint" / "metrics.jsonl").exists():
+        time.sleep(0.5)
+    out = subprocess.run(["pgrep", "-f", "rl.rollout_worker"], capture_output=True, text=True).stdout.split()
+    workers = [int(p) for p in out if open(f"/proc/{p}/stat").read().split()[3] == str(proc.pid)]
+    assert len(workers) >= 2, "the stage never started its rollout workers"
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    time.sleep(0.5)
+    alive = [p for p in workers if os.path.exists(f"/proc/{p}") and "rl.rollout_worker" in open(f"/proc/{p}/cmdline").read()]
+    assert not alive, f"rollout workers outlived the stage: {alive}"
