@@ -1,0 +1,93 @@
+"""RNG restore on resume. The LM objective draws no random numbers, so step-exact resume tests
+pass even with training.checkpoint.set_rng_state doing nothing. Here an objective that draws
+from every RNG a checkpoint saves (torch, numpy, Python) scales the loss by those draws: a
+resumed run reproduces the uninterrupted one only when all three streams are restored."""
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from glmforge.stage import Workdir
+from tests.training.conftest import MODEL_OVERRIDES
+from training import checkpoint, metrics
+from training.config import PretrainConfig
+from training.objectives import Objective, register
+from training.stages import model_config_for, train_stage
+from data_processing.tokenizer import load_tokenizer
+
+STEPS, EVERY = 4, 2
+
+
+@register("rng_noise")
+class RngNoise(Objective):
+    """The LM loss times 1 + 0.05 * (a torch, a numpy and a Python draw): every step's loss,
+    gradients and weights depend on the state of all three generators."""
+
+    def loss(self, engine, batch):
+        loss, parts = super().loss(engine, batch)
+        draws = float(torch.rand(())) + float(np.random.rand()) + random.random()
+        loss = loss * (1.0 + 0.05 * draws)
+        return loss, {**parts, "loss": loss.item()}
+
+
+def test_rng_state_round_trip_restores_every_generator():
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    saved = checkpoint.rng_state()
+    want = (torch.rand(3).tolist(), np.random.rand(3).tolist(), [random.random() for _ in range(3)])
+    random.seed(2), np.random.seed(2), torch.manual_seed(2)   # what a fresh rank process does
+    checkpoint.set_rng_state(saved)
+    got = (torch.rand(3).tolist(), np.random.rand(3).tolist(), [random.random() for _ in range(3)])
+    assert got[0] == want[0], "torch RNG not restored"
+    assert got[1] == want[1], "numpy RNG not restored"
+    assert got[2] == want[2], "python RNG not restored"
+
+
+def _train(packed: dict[str, Path], wd: Workdir) -> dict:
+    cfg = PretrainConfig(model_overrides=MODEL_OVERRIDES, micro_batch_size=4, max_steps=STEPS,
+                         checkpoint_every=EVERY, keep_last=2, lr=0.02, warmup_steps=1, eval_sequences=4,
+                         launch={"nproc_per_node": 1})
+    model_cfg = model_config_for(cfg, load_tokenizer(packed["tokenize"]).get_vocab_size())
+    return train_stage("pretrain", cfg, model_cfg, packed["pack"], packed["tokenize"], wd,
+                       objective={"name": "rng_noise", "module": __name__})
+
+
+def test_resumed_training_draws_the_same_random_numbers(packed, tmp_path):
+    ref = Workdir.at(tmp_path / "ref", seed=7)
+    ref_result = _train(packed, ref)
+    assert [r["step"] for r in metrics.read(ref.checkpoint / "metrics.jsonl")] == list(range(1, STEPS + 1))
+
+    # The same run stopped after its first checkpoint: its checkpoint folder minus the newest one.
+    resumed = Workdir.at(tmp_path / "resumed", seed=7)
+    shutil.rmtree(resumed.checkpoint)
+    shutil.copytree(ref.checkpoint, resumed.checkpoint)
+    shutil.rmtree(resumed.checkpoint / checkpoint.tag_for(STEPS))
+    result = _train(packed, resumed)
+    assert result["resumed_from_step"] == EVERY
+
+    want, got = metrics.read(ref.checkpoint / "metrics.jsonl"), metrics.read(resumed.checkpoint / "metrics.jsonl")
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for a, b in zip(want[EVERY:], got[EVERY:]):
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), f"step {a['step']} differs after resume"
+    assert result["val_loss_after"] == ref_result["val_loss_after"]
+    w_ref = load_file(ref.out / "consolidated.safetensors")
+    w_got = load_file(resumed.out / "consolidated.safetensors")
+    assert all(torch.equal(w_ref[k], w_got[k]) for k in w_ref)
+
+
+def test_noise_objective_makes_the_loss_depend_on_the_rng():
+    """The check above is only meaningful if the draws move the loss."""
+    class Out:
+        loss = torch.tensor(2.0)
+        losses = {}
+
+    obj = RngNoise()
+    torch.manual_seed(0), np.random.seed(0), random.seed(0)
+    a = obj.loss(lambda *a, **k: Out(), {"input_ids": None, "labels": None, "doc_ids": None})[0]
+    b = obj.loss(lambda *a, **k: Out(), {"input_ids": None, "labels": None, "doc_ids": None})[0]
+    assert a != b and float(a) > 2.0
