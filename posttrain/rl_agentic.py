@@ -104,6 +104,8 @@ class RLAgenticConfig(BaseModel):
     checkpoint_every: int = Field(10, ge=1)
     keep_last: int = Field(2, ge=1)
     gates: GateConfig = GateConfig()
+    threads: Optional[int] = Field(None, ge=1, description="torch threads of the trainer process (None: torch's "
+                                   "default; tiny matrices on a shared CPU run fastest on 1)")
 
     @field_validator("environments")
     @classmethod
@@ -224,6 +226,8 @@ def run_rl_agentic(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workd
     stop_ids = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
     seed = workdir.seed
     torch.manual_seed(seed)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     prompts = Prompts(cfg, seed)
     heldout = [t for e in prompts.weights for t in tasks_for(e, "heldout", cfg.heldout, seed)]
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=cfg.betas,

@@ -95,6 +95,8 @@ class RLReasoningConfig(BaseModel):
     keep_last: int = Field(2, ge=1)
     examples: int = Field(8, ge=0, description="rollouts of the last step written to samples.jsonl")
     gates: GateConfig = GateConfig()
+    threads: Optional[int] = Field(None, ge=1, description="torch threads of the trainer process (None: torch's "
+                                   "default; tiny matrices on a shared CPU run fastest on 1)")
 
     @field_validator("domains")
     @classmethod
@@ -224,6 +226,8 @@ def run_rl_reasoning(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: W
     pad_id = tokenizer.token_to_id("<|pad|>")
     seed = workdir.seed
     torch.manual_seed(seed)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
 
     pools = load_pools(cfg.domains, gsm8k_path=cfg.gsm8k_path, gsm8k_skip=cfg.gsm8k_skip, mbpp_path=cfg.mbpp_path)
     heldout = arithmetic.tasks(cfg.heldout, "heldout", seed)
