@@ -262,7 +262,7 @@ def test_sigterm_to_serve_stops_server_and_worker_and_frees_the_port(tmp_path):
     assert not _port_open(port)
 
 
-def test_sigterm_to_run_ends_the_run_record_interrupted_and_leaves_no_child(tmp_path):
+def test_sigterm_to_run_and_resume_ends_the_run_record_interrupted_and_leaves_no_child(tmp_path):
     store = tmp_path / "store"
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "GLMFORGE_HOME": str(tmp_path / "home"),
            "GLMFORGE_HEARTBEAT_S": "0.5"}
@@ -283,6 +283,24 @@ def test_sigterm_to_run_ends_the_run_record_interrupted_and_leaves_no_child(tmp_
     status = subprocess.run([GLMFORGE, "status", "--json", "--store", str(store)], cwd=REPO, env=env,
                             capture_output=True, text=True)
     assert json.loads(status.stdout)["run"]["state"] == "interrupted"
+    time.sleep(0.5)
+    assert [pid for pid in descendants if _alive(pid)] == []
+
+    # `glmforge resume` of the interrupted stage takes the same path
+    run_file = store / "runs" / f"{record.id}.json"
+    before = run_file.stat().st_mtime_ns
+    proc = subprocess.Popen([GLMFORGE, "resume", "quality", "--store", str(store)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None and not (
+            run_file.stat().st_mtime_ns != before and json.loads(run_file.read_text())["state"] == "running"):
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()[0][-3000:]
+    descendants = shutdown.descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 143, out[-3000:]
+    assert RunRecord.load(open_store(str(store))).state == "interrupted"
     time.sleep(0.5)
     assert [pid for pid in descendants if _alive(pid)] == []
 
