@@ -1,0 +1,75 @@
+"""One tiny pipeline run per test session, shared by the resume and deployment tests.
+
+FAST cuts the tiny preset to a few hundred documents and one or two optimizer steps per
+training stage on one rank: every stage still runs its real code and publishes a real artifact,
+in a few minutes on 2 CPU cores (most of it is starting the training ranks, once per stage)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+_CONTEXT = ["max_steps=1", "eval_sequences=1", "launch.nproc_per_node=1", "seq_len=256", "retrieval.docs_per_task=0",
+            "retrieval.key_value_docs=0"]
+_DSA = ["max_steps=1", "eval_sequences=1", "launch.nproc_per_node=1", "seq_len=256", "retrieval.docs_per_task=1",
+        "retrieval.lengths=[128]", "retrieval.key_value_docs=0"]
+FAST: list[str] = [
+    "ingest.sources=[{name: shakespeare, path: '{samples}/tinyshakespeare/input.txt', format: text, "
+    "split_on: \"\\n\\n\", max_documents: 300}, {name: gsm8k, path: '{samples}/gsm8k/train.jsonl', "
+    "text_template: \"Question: {question}\\nAnswer: {answer}\", max_documents: 300}, {name: stdlib, "
+    "path: '{stdlib}', include: '*.py', repo: cpython-stdlib, max_documents: 60, max_file_bytes: 200000}]",
+    "tokenize.vocab_size=1024",
+    "pretrain.max_steps=6", "pretrain.checkpoint_every=2", "pretrain.eval_sequences=2", "pretrain.launch.nproc_per_node=1",
+    *[f"{s}.{o}" for s in ("context_1", "context_2", "context_3") for o in _CONTEXT],
+    *[f"{s}.{o}" for s in ("dsa_warmup", "dsa_adapt") for o in _DSA],
+    "dsa_warmup.probe_sequences=1", "dsa_adapt.baselines=[]", "dsa_adapt.long_eval.n_per_task=1",
+    "dsa_adapt.long_eval.lengths=[128]",
+    "sft.max_steps=2", "sft.ptq_baseline=false", "sft.launch.nproc_per_node=1", "sft.eval_sequences=2",
+    "sft.eval_gsm8k=1", "sft.max_new_tokens=4", "sft.seq_len=256",
+    "sft.data={reasoning: 8, tool_calc: 4, tool_docs: 4, code: 4, arithmetic: 16, val_per_kind: 2}",
+    "rl_reasoning.steps=1", "rl_reasoning.prompts_per_step=2", "rl_reasoning.group_size=2", "rl_reasoning.minibatches=1",
+    "rl_reasoning.heldout=2", "rl_reasoning.gsm8k_test=1", "rl_reasoning.gsm8k_max_new_tokens=4",
+    "rl_reasoning.examples=1",
+    *[f"{s}.gates.evals={{arithmetic: 2, gsm8k: 1, gsm8k_max_new_tokens: 2, tool_max_new_tokens: 2}}"
+      for s in ("rl_reasoning", "rl_agentic", "rl_general", "distill")],
+    # two-step runs say nothing about regressions: the gates record, they do not fail here
+    *[f"{s}.gates.tolerances={{arithmetic_acc: 1, gsm8k_acc: 1, heldout_ppl: 100, tool_call_validity: 1}}"
+      for s in ("rl_reasoning", "rl_agentic", "rl_general", "distill")],
+    "rl_agentic.steps=1", "rl_agentic.prompts_per_step=2", "rl_agentic.group_size=2", "rl_agentic.workers=1",
+    "rl_agentic.max_turns=1", "rl_agentic.max_new_tokens=4", "rl_agentic.heldout=1",
+    "reward_model.steps=2", "reward_model.batch_pairs=2", "reward_model.gsm8k_pairs=6", "reward_model.mbpp_pairs=2",
+    "reward_model.arithmetic_pairs=4", "reward_model.max_len=64",
+    "rl_general.steps=1", "rl_general.prompts_per_step=2", "rl_general.group_size=2", "rl_general.max_new_tokens=4",
+    "rl_general.grm_max_new_tokens=1", "rl_general.minibatches=1",
+    "distill.steps=1", "distill.prompts_per_teacher=1", "distill.max_new_tokens=4",
+]
+
+
+@dataclass
+class TinyRun:
+    home: Path            # GLMFORGE_HOME of the run (its store is home/store)
+    run_id: str
+    keys: dict[str, str]  # stage -> key
+    seconds: float
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> TinyRun:
+    """Every registered stage run once with FAST, through the plain runner (no Prefect)."""
+    from glmforge.config import load_config
+    from glmforge.pipeline import STAGES
+    from glmforge.runner import Runner, RunRecord, execute
+    from glmforge.store import LocalStore
+
+    home = tmp_path_factory.mktemp("tiny-run")
+    cfg = load_config("tiny", None, FAST)
+    runner = Runner(cfg, LocalStore(home / "store"), home=home)
+    record = RunRecord.new(cfg, {"preset": "tiny", "config_file": None, "overrides": FAST, "until": None},
+                           [s.name for s in STAGES])
+    start = time.monotonic()
+    results = execute(runner, STAGES, record)
+    took = time.monotonic() - start
+    print(f"\ntiny_run: {len(results)} stages in {took:.0f} s")
+    return TinyRun(home, record.id, {n: r.key for n, r in results.items()}, took)
