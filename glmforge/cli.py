@@ -42,11 +42,6 @@ def ensure_homes() -> None:
                 _fail(f"${var}={os.environ[var]}: cannot create the folder: {e}")
 
 
-@app.callback()
-def _main() -> None:
-    ensure_homes()
-
-
 def _fail(msg: str, code: int = 2) -> None:
     typer.echo(f"error: {msg}", err=True)
     raise typer.Exit(code)
@@ -96,6 +91,7 @@ def run(
             get_stage(until)
     except (ConfigError, ValueError) as e:
         _fail(str(e))
+    ensure_homes()      # after validation: a refused config leaves nothing behind
     args = dict(
         preset=None if config else (preset or "tiny"),
         config_file=str(config) if config else None,
@@ -142,6 +138,7 @@ def resume(
         get_stage(stage)
     except ValueError as e:
         _fail(str(e))
+    ensure_homes()
     st = _store(store)
     record = RunRecord.load(st, run_id)
     if record is None:
@@ -354,6 +351,7 @@ def serve(
     """Local Prefect server + process work pool + deployments from prefect.yaml + a worker."""
     from glmforge.serve import serve_forever
 
+    ensure_homes()
     serve_forever(port=port, pool=pool)
 
 
