@@ -16,7 +16,7 @@ def _curation() -> list[StageSpec]:
 
 def _training() -> list[StageSpec]:
     from training.dsa import STAGES as dsa
-    from training.sft import STAGES as sft
+    from posttrain.sft import STAGES as sft
     from training.stages import STAGES as training
 
     return [*training, *dsa, *sft]

@@ -128,7 +128,7 @@ def domain_prompts(teacher: str, cfg: DistillConfig, seed: int) -> tuple[list[Ta
     pool = [arithmetic.task(a, b) for a, b in arithmetic.pairs("train")]
     if teacher == "rl-reasoning":
         return pool, None
-    from training.sft_data import CALCULATOR
+    from posttrain.sft_data import CALCULATOR
 
     return pool, [CALCULATOR]
 

@@ -97,7 +97,7 @@ def _greedy(engine: RolloutEngine, prefixes: list[list[int]], max_new: int) -> l
 
 
 def _problems(cfg: GateEvalConfig):
-    from training.sft_data import read_gsm8k
+    from posttrain.sft_data import read_gsm8k
 
     probs = read_gsm8k(cfg.gsm8k_path)[: cfg.gsm8k]
     if not probs:
@@ -132,7 +132,7 @@ def perplexity(model: GLMModel, tokenizer, conversations: list[list[Message]], b
 def measure(model: GLMModel, tokenizer, cfg: GateEvalConfig, seed: int = 0) -> dict[str, float]:
     """The EVALS of `model` (module doc)."""
     from rl.rewards import score_sample
-    from training.sft_data import CALCULATOR
+    from posttrain.sft_data import CALCULATOR
 
     was = model.training
     model.eval()

@@ -102,7 +102,7 @@ def mutate_code(code: str, rng: random.Random) -> str:
 
 
 def gsm8k_pairs(path: str, skip: int, n: int, seed: int) -> list[Pair]:
-    from training.sft_data import read_gsm8k
+    from posttrain.sft_data import read_gsm8k
 
     rng = random.Random(seed)
     out = []

@@ -58,7 +58,7 @@ from rl.orchestrator import WorkerPool
 from rl.rollout import RolloutEngine, SamplingParams
 from rl.sample import Sample, Task
 from rl.staleness import admit, filter_groups
-from rl.wire import sample_from_dict, sample_to_dict, task_from_dict, task_to_dict
+from rl.wire import sample_from_dict, sample_to_dict
 from training import checkpoint, metrics
 from training.loop import export
 

@@ -14,7 +14,7 @@ Domains:
                 % stripped, 1e-6 relative) or, when not a number, symbolically with sympy;
     code        MBPP: the first ```python block (else any ``` block, else the whole text) runs
                 with meta["setup"] and the asserts of meta["tests"] in rl.sandbox; 1.0 iff all pass;
-    tool        posttrain.chat_template tool calls (calculator, search_docs of training.sft_data)
+    tool        posttrain.chat_template tool calls (calculator, search_docs of posttrain.sft_data)
                 are executed for real; the transcript's tool responses, where present, must be
                 what the tool returns; the final message's answer is compared as in math.
 Text after the last </think> is the answer (an unterminated <think> has none); stop tokens
@@ -297,12 +297,12 @@ def code_reward(text: str, task: Task) -> RewardOutcome:
 # ---------------------------------------------------------------- tool
 @functools.lru_cache(maxsize=1)
 def _doc_index():
-    from training.sft_data import DocIndex, SFTDataConfig, stdlib_functions
+    from posttrain.sft_data import DocIndex, SFTDataConfig, stdlib_functions
     return DocIndex(stdlib_functions(), SFTDataConfig.model_fields["max_doc_chars"].default)
 
 
 def _calculator(args: dict) -> str:
-    from training.sft_data import calculator
+    from posttrain.sft_data import calculator
     return calculator(str(args["expression"]))
 
 
@@ -333,7 +333,7 @@ def tool_reward(text: str, task: Task) -> RewardOutcome:
     """`text` is the assistant side of a tool-using rollout: assistant messages separated by
     <|observation|><tool_response>...</tool_response> blocks and <|assistant|>."""
     from posttrain.chat_template import ASSISTANT, OBSERVATION, parse_assistant
-    from training.sft_data import CALCULATOR, SEARCH_DOCS
+    from posttrain.sft_data import CALCULATOR, SEARCH_DOCS
 
     schemas = [CALCULATOR, SEARCH_DOCS]
     calls, final = 0, None

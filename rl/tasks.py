@@ -21,7 +21,7 @@ DOMAINS = ("arithmetic", "math", "code", "tool")
 
 
 def gsm8k_tasks(path: str, skip: int, domain: str = "math") -> list[Task]:
-    from training.sft_data import read_gsm8k
+    from posttrain.sft_data import read_gsm8k
 
     return [Task(domain, p.question, p.answer, {"line": skip + i + 1})
             for i, p in enumerate(read_gsm8k(path)[skip:])]

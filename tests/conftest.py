@@ -184,3 +184,12 @@ def seaweed_own(tmp_path, monkeypatch):
         yield server, bucket
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def packed(tmp_path_factory) -> dict[str, Path]:
+    """A real packed dataset and its tokenizer (tests.training.conftest.build_packed): the
+    parents of a training stage, shared by the training and post-training tests."""
+    from tests.training.conftest import build_packed
+
+    return build_packed(tmp_path_factory.mktemp("packed"))

@@ -39,21 +39,19 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from data_processing.packing import PackedDataset
-from data_processing.tokenizer import load_tokenizer
 from evals import long_context
 from glmforge.stage import StageSpec, Workdir
 from model.config import ModelConfig
 from model.hf import load_state, save_state
-from model.model import GLMModel, freeze_all_but_indexer, moe_layers
+from model.model import GLMModel
 from training.config import LongDataConfig, Optimizer, RetrievalDocsConfig
-from training.data import IGNORE, eval_batches
-from training.dsa_loss import forward_kwargs, sparse_indexer_loss, warmup_indexer_loss
+from training.data import eval_batches
+from training.dsa_loss import forward_kwargs, query_rows, warmup_indexer_loss
 from training.longdata import pack_stage_data
-from training.objectives import Objective, register
+from training.objectives import DsaSparseSpec, DsaWarmupSpec, LMSpec
 from training.stages import _state_config, train_stage
 
 log = logging.getLogger("glmforge")
-MODULE = __name__          # the ranks import it to find the objectives registered here
 PROBE_FILE = "indexer_probe.json"
 
 
@@ -105,67 +103,6 @@ class DsaAdaptConfig(DsaDataConfig):
         return self
 
 
-# ---------------------------------------------------------------- objectives (run on the ranks)
-def _require_dsa(model: GLMModel) -> None:
-    if "dsa" not in model.config.layer_kinds:
-        raise ValueError("the model has no DSA layers (attention_pattern has no 'dsa' entry): "
-                         "nothing for the indexer objectives to train")
-
-
-def _query_rows(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    # Rows with a next-token target: drops padding (and each sequence's last position).
-    return batch["labels"] != IGNORE
-
-
-@register("dsa_warmup")
-class IndexerWarmup(Objective):
-    """KL(p || softmax(I)) on a dense forward; only the indexers train."""
-
-    def prepare(self, model: GLMModel) -> None:
-        _require_dsa(model)
-        freeze_all_but_indexer(model)
-
-    def loss(self, engine, batch):
-        out = engine(batch["input_ids"], doc_ids=batch["doc_ids"], **forward_kwargs("warmup"))
-        # The router bias is a buffer the loop updates from the loads counted in forward; the
-        # trunk is frozen in this stage, so no load may be counted (the update then skips it).
-        for m in moe_layers(engine.module):
-            m.load_since_update.zero_()
-        loss, m = warmup_indexer_loss(out, _query_rows(batch))
-        # recall_sparse_rows is NaN when no row sees more than index_topk keys; every row then
-        # selects all its keys, recall 1, and a NaN would poison the sum over ranks.
-        sparse = m["recall_sparse_rows"]
-        return loss, {"loss": m["kl"], "lm": 0.0, "mtp": 0.0, "balance": 0.0, "kl": m["kl"],
-                      "recall": m["recall"], "recall_sparse_rows": 1.0 if math.isnan(sparse) else sparse}
-
-
-@register("dsa_sparse")
-class SparseAdaptation(Objective):
-    """Top-k attention; LM (+MTP, balance) for the trunk + coeff x KL on the selected set for
-    the indexer (its inputs are detached by the model, the indices are integers)."""
-
-    def __init__(self, indexer_loss_coeff: float = 1.0):
-        if indexer_loss_coeff <= 0:
-            raise ValueError(f"indexer_loss_coeff must be > 0, got {indexer_loss_coeff}")
-        self.coeff = indexer_loss_coeff
-
-    def prepare(self, model: GLMModel) -> None:
-        _require_dsa(model)
-        if model.config.dense_attention:
-            raise ValueError("sparse adaptation needs dense_attention=False (top-k attention)")
-
-    def loss(self, engine, batch):
-        out = engine(batch["input_ids"], labels=batch["labels"], doc_ids=batch["doc_ids"],
-                     **forward_kwargs("sparse"))
-        kl, m = sparse_indexer_loss(out, _query_rows(batch))
-        # "loss" stays lm + mtp + balance, as for every stage (and the baselines it is compared
-        # with): the KL trains other parameters and is reported on its own.
-        return out.loss + self.coeff * kl, {
-            "loss": out.loss.item(), "lm": out.losses["lm"].item(),
-            "mtp": float(out.losses["mtp"].item()) if "mtp" in out.losses else 0.0,
-            "balance": out.losses["balance"].item(), "kl": m["kl"]}
-
-
 # ---------------------------------------------------------------- helpers (stage process)
 def _sub(workdir: Workdir, out: Path, checkpoint: Path) -> Workdir:
     out.mkdir(parents=True, exist_ok=True)
@@ -190,7 +127,7 @@ def indexer_probe(model: GLMModel, data_dir: Path, sequences: int) -> dict[str, 
     n = 0
     for b in eval_batches(ds, 1, sequences):
         out = model(b["input_ids"], doc_ids=b["doc_ids"], **forward_kwargs("warmup"))
-        _, m = warmup_indexer_loss(out, _query_rows(b))
+        _, m = warmup_indexer_loss(out, query_rows(b))
         for k in ("kl", "recall", "recall_sparse_rows"):
             if not math.isnan(m[k]):
                 sums[k] = sums.get(k, 0.0) + m[k]
@@ -272,7 +209,7 @@ def run_warmup(cfg: DsaWarmupConfig, inputs: dict[str, Path], workdir: Workdir) 
                              max_position_embeddings=max(base.max_position_embeddings, cfg.seq_len))
     data_dir, packed = pack_stage_data(cfg, inputs, workdir)
     result = train_stage("dsa-warmup", cfg, model_cfg, data_dir, inputs["tokenize"], workdir, init,
-                         objective={"name": "dsa_warmup", "module": MODULE})
+                         objective=DsaWarmupSpec())
     probe = {"before": indexer_probe(_model(init, model_cfg), data_dir, cfg.probe_sequences),
              "after": indexer_probe(load_state(workdir.out / "consolidated.safetensors"), data_dir,
                                     cfg.probe_sequences)}
@@ -312,8 +249,7 @@ def run_adapt(cfg: DsaAdaptConfig, inputs: dict[str, Path], workdir: Workdir) ->
         start = init
         if name == "swa":
             start = without_indexers(init, configs["swa"], workdir.checkpoint / "swa-init.safetensors")
-        objective = ({"name": "dsa_sparse", "module": MODULE, "indexer_loss_coeff": cfg.indexer_loss_coeff}
-                     if name == "dsa" else {"name": "lm"})
+        objective = DsaSparseSpec(indexer_loss_coeff=cfg.indexer_loss_coeff) if name == "dsa" else LMSpec()
         runs[name] = train_stage(f"dsa-adapt/{name}", cfg, configs[name], data_dir, inputs["tokenize"], wd, start,
                                  objective=objective)
         weights[name] = out / "consolidated.safetensors"

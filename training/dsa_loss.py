@@ -23,10 +23,13 @@ no attention probabilities for it (out.mtp_indexer has scores but nothing to mat
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from model.mla import IndexerOut
-from model.model import GLMOutput
+from model.model import GLMModel, GLMOutput, freeze_all_but_indexer, moe_layers
+from training.data import IGNORE
 
 # Probability mass an attention row may put outside the selected set in a sparse forward:
 # anything above this means the output came from a dense forward (wrong stage).
@@ -163,3 +166,66 @@ def sparse_indexer_loss(out: GLMOutput, token_mask: torch.Tensor | None = None
     loss = torch.stack(losses).mean()
     metrics["kl"] = loss.item()
     return loss, metrics
+
+
+# ---------------------------------------------------------------- objectives (training.objectives)
+def _require_dsa(model: GLMModel) -> None:
+    if "dsa" not in model.config.layer_kinds:
+        raise ValueError("the model has no DSA layers (attention_pattern has no 'dsa' entry): "
+                         "nothing for the indexer objectives to train")
+
+
+def query_rows(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    # Rows with a next-token target: drops padding (and each sequence's last position).
+    return batch["labels"] != IGNORE
+
+
+class IndexerWarmup:
+    """KL(p || softmax(I)) on a dense forward; only the indexers train."""
+
+    def prepare(self, model: GLMModel) -> None:
+        _require_dsa(model)
+        freeze_all_but_indexer(model)
+
+    def begin_step(self, model: GLMModel, step: int) -> None:
+        pass
+
+    def loss(self, engine, batch):
+        out = engine(batch["input_ids"], doc_ids=batch["doc_ids"], **forward_kwargs("warmup"))
+        # The router bias is a buffer the loop updates from the loads counted in forward; the
+        # trunk is frozen in this stage, so no load may be counted (the update then skips it).
+        for m in moe_layers(engine.module):
+            m.load_since_update.zero_()
+        loss, m = warmup_indexer_loss(out, query_rows(batch))
+        # recall_sparse_rows is NaN when no row sees more than index_topk keys; every row then
+        # selects all its keys, recall 1, and a NaN would poison the sum over ranks.
+        sparse = m["recall_sparse_rows"]
+        return loss, {"loss": m["kl"], "lm": 0.0, "mtp": 0.0, "balance": 0.0, "kl": m["kl"],
+                      "recall": m["recall"], "recall_sparse_rows": 1.0 if math.isnan(sparse) else sparse}
+
+
+class SparseAdaptation:
+    """Top-k attention; LM (+MTP, balance) for the trunk + coeff x KL on the selected set for
+    the indexer (its inputs are detached by the model, the indices are integers)."""
+
+    def __init__(self, indexer_loss_coeff: float = 1.0):
+        self.coeff = indexer_loss_coeff
+
+    def prepare(self, model: GLMModel) -> None:
+        _require_dsa(model)
+        if model.config.dense_attention:
+            raise ValueError("sparse adaptation needs dense_attention=False (top-k attention)")
+
+    def begin_step(self, model: GLMModel, step: int) -> None:
+        pass
+
+    def loss(self, engine, batch):
+        out = engine(batch["input_ids"], labels=batch["labels"], doc_ids=batch["doc_ids"],
+                     **forward_kwargs("sparse"))
+        kl, m = sparse_indexer_loss(out, query_rows(batch))
+        # "loss" stays lm + mtp + balance, as for every stage (and the baselines it is compared
+        # with): the KL trains other parameters and is reported on its own.
+        return out.loss + self.coeff * kl, {
+            "loss": out.loss.item(), "lm": out.losses["lm"].item(),
+            "mtp": float(out.losses["mtp"].item()) if "mtp" in out.losses else 0.0,
+            "balance": out.losses["balance"].item(), "kl": m["kl"]}

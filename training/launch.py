@@ -15,7 +15,6 @@ Only rank 0 prints progress; every rank's traceback still reaches the stream thr
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -26,10 +25,11 @@ import sys
 import threading
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from glmforge import shutdown
 from training.config import LaunchConfig
+from training.rank_spec import RankSpec
 
 log = logging.getLogger("glmforge")
 REPO = Path(__file__).resolve().parent.parent
@@ -123,9 +123,9 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def run_ranks(spec: dict[str, Any], cfg: LaunchConfig, spec_path: Path,
+def run_ranks(spec: RankSpec, cfg: LaunchConfig, spec_path: Path,
               on_line: Callable[[str], None] = lambda line: None) -> None:
-    spec_path.write_text(json.dumps(spec, indent=1))
+    spec.write(spec_path)
     port = cfg.master_port or free_port()
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
@@ -140,7 +140,7 @@ def run_ranks(spec: dict[str, Any], cfg: LaunchConfig, spec_path: Path,
     cmd = command(cfg, spec_path, port)
     log.info("launching %d rank(s): %s", cfg.world_size, " ".join(cmd))
     tail: deque[str] = deque(maxlen=TAIL_LINES)
-    grace = float(spec["train"].get("preempt_grace_s", 25.0))
+    grace = spec.train.preempt_grace_s
     # Its own session: a terminal's Ctrl-C or a group kill reaches the ranks only through
     # forward() (once, as SIGTERM), never also through torchrun (whose own SIGTERM handling
     # would be their second signal). If only the stage's process dies (kill -9 of a worker),
@@ -223,8 +223,8 @@ def main(argv: list[str]) -> None:
 
     from training.loop import train
 
-    spec = json.loads(args.spec.read_text())
-    guard = shutdown.PreemptionGuard(float(spec["train"].get("preempt_grace_s", 25.0))).install()
+    spec = RankSpec.read(args.spec)
+    guard = shutdown.PreemptionGuard(spec.train.preempt_grace_s).install()
     try:
         train(spec, guard)
     finally:

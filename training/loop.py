@@ -1,7 +1,8 @@
 """The training loop one rank runs (started by training.launch under torchrun / deepspeed).
 
-The spec (a JSON file written by the stage) says everything: train config, model config,
-initial weights, packed data, checkpoint and output directories, the checkpoint to resume.
+The RankSpec (training.rank_spec, a JSON file written by the stage) says everything: train
+config, model config, objective, initial weights, packed data, checkpoint and output
+directories, the checkpoint to resume.
 
     build model -> DeepSpeed engine -> resume (engine state, data position, RNG) or score the
     held-out split -> steps (lr from the schedule, grad_accum micro-batches, router-bias
@@ -18,7 +19,6 @@ Rank 0 prints two kinds of protocol lines the launching stage reacts to:
 """
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
@@ -32,15 +32,14 @@ import torch
 
 from data_processing.packing import PackedDataset
 from glmforge.shutdown import EXIT_PREEMPTED, PreemptionGuard
-from model.config import ModelConfig
 from model.hf import load_state, save_pretrained, save_state
 from model.model import GLMModel, moe_layers
 from model.moe import update_router_bias
 from training import checkpoint, metrics
-from training.config import TrainConfig
 from training.data import PackedLoader, eval_batches
 from training.engine import build_engine, set_lr
 from training.objectives import Objective, build_objective
+from training.rank_spec import RankSpec
 from training.schedule import lr_factor
 
 METRIC, CHECKPOINT = "GLMFORGE_METRIC", "GLMFORGE_CHECKPOINT"
@@ -150,12 +149,12 @@ def train_step(engine, loader: PackedLoader, grad_accum: int, zero_stage: int, g
     return sums, None if grad_norm is None else float(grad_norm), balance
 
 
-def train(spec: dict[str, Any], guard: PreemptionGuard | None = None) -> None:
-    """Raises SystemExit(EXIT_PREEMPTED) after the preemption checkpoint when `guard` fired."""
-    cfg = TrainConfig.model_validate(spec["train"])
-    model_cfg = ModelConfig.model_validate(spec["model"])
-    ckpt_dir, out_dir = Path(spec["checkpoint_dir"]), Path(spec["out_dir"])
-    total = int(spec["total_steps"])
+def train(spec: RankSpec, guard: PreemptionGuard | None = None, objective: Objective | None = None) -> None:
+    """Raises SystemExit(EXIT_PREEMPTED) after the preemption checkpoint when `guard` fired.
+    `objective` replaces the spec's (for in-process tests of objectives outside the table)."""
+    cfg, model_cfg = spec.train, spec.model
+    ckpt_dir, out_dir = spec.checkpoint_dir, spec.out_dir
+    total = spec.total_steps
     cuda = torch.cuda.is_available()
 
     import deepspeed
@@ -168,43 +167,39 @@ def train(spec: dict[str, Any], guard: PreemptionGuard | None = None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    seed_everything(int(spec["seed"]), cfg.deterministic)
+    seed_everything(spec.seed, cfg.deterministic)
 
     model = GLMModel(model_cfg)
-    if spec.get("init_weights"):
+    if spec.init_weights:
         # Continue from the previous stage: same shapes, new config (RoPE base, max positions);
         # inv_freq is not in the state dict, so the new rope_theta takes effect.
-        model.load_state_dict(load_state(spec["init_weights"]).state_dict(), strict=True)
-    objective_spec = dict(spec.get("objective") or {"name": "lm"})
-    if objective_spec.get("module"):
-        # An objective registered outside training.objectives (e.g. training.sft's "sft")
-        # registers itself when its module is imported; the rank process imports it here.
-        importlib.import_module(objective_spec["module"])
-    objective = build_objective({k: v for k, v in objective_spec.items() if k != "module"})
+        model.load_state_dict(load_state(spec.init_weights).state_dict(), strict=True)
+    objective = objective or build_objective(spec.objective)
     objective.prepare(model)
-    resume_meta = json.loads((ckpt_dir / spec["resume"] / checkpoint.META).read_text()) if spec.get("resume") else None
+    resume_meta = json.loads((ckpt_dir / spec.resume / checkpoint.META).read_text()) if spec.resume else None
     # ZeRO 1/2 written by another rank count: DeepSpeed re-partitions only its universal format
+    train_json = cfg.model_dump(mode="json")
     universal = bool(resume_meta and resume_meta["world_size"] != world and cfg.zero_stage > 0)
     if universal:
-        checkpoint.reshard(resume_meta, spec["train"], world)   # refuse before converting anything
+        checkpoint.reshard(resume_meta, train_json, world)   # refuse before converting anything
         if rank == 0:
-            checkpoint.to_universal(ckpt_dir, spec["resume"])
+            checkpoint.to_universal(ckpt_dir, spec.resume)
         dist.barrier()
     engine = build_engine(model, cfg, cuda, load_universal=universal)
     device = engine.device
 
-    train_ds = PackedDataset(spec["data_dir"], "train")
-    val_ds = PackedDataset(spec["data_dir"], "val")
-    loader = PackedLoader(train_ds, cfg.micro_batch_size, rank, world, seed=int(spec["seed"]))
+    train_ds = PackedDataset(spec.data_dir, "train")
+    val_ds = PackedDataset(spec.data_dir, "val")
+    loader = PackedLoader(train_ds, cfg.micro_batch_size, rank, world, seed=spec.seed)
     seq_len = loader.seq_len
     log_path = ckpt_dir / "metrics.jsonl"
 
     step, tokens = 0, 0
-    if spec.get("resume"):
-        tag = spec["resume"]
+    if spec.resume:
+        tag = spec.resume
         meta = resume_meta
         # another rank count: loader position and RNGs re-dealt (or a ValueError saying why not)
-        loader_state, rngs = checkpoint.reshard(meta, spec["train"], world)
+        loader_state, rngs = checkpoint.reshard(meta, train_json, world)
         engine.load_checkpoint(str(ckpt_dir / checkpoint.UNIVERSAL if universal else ckpt_dir), tag=tag,
                                load_optimizer_states=True, load_lr_scheduler_states=False)
         loader.load_state_dict(loader_state)
@@ -252,13 +247,13 @@ def train(spec: dict[str, Any], guard: PreemptionGuard | None = None) -> None:
     eval_after = evaluate(engine.module, val_ds, cfg.micro_batch_size, cfg.eval_sequences, rank, world)
     if rank == 0:
         print(f"held-out after training: loss {eval_after['loss']:.4f} ppl {eval_after['ppl']:.2f}", flush=True)
-        export(engine.module, out_dir, spec.get("tokenizer_dir"),
+        export(engine.module, out_dir, spec.tokenizer_dir,
                {"val_loss_before": eval_before["loss"], "val_ppl_before": eval_before["ppl"],
                 "val_loss_after": eval_after["loss"], "val_ppl_after": eval_after["ppl"]})
     dist.barrier()
 
 
-def save(engine, ckpt_dir: Path, step: int, tokens: int, loader: PackedLoader, eval_before: dict, spec: dict,
+def save(engine, ckpt_dir: Path, step: int, tokens: int, loader: PackedLoader, eval_before: dict, spec: RankSpec,
          keep_last: int, rank: int, world: int) -> None:
     dist = _dist()
     tag = checkpoint.tag_for(step)
@@ -270,13 +265,14 @@ def save(engine, ckpt_dir: Path, step: int, tokens: int, loader: PackedLoader, e
     dist.barrier()  # every rank's shards are on disk before rank 0 declares the checkpoint complete
     if rank == 0:
         meta = {"step": step, "tokens": tokens, "loader": loader.state_dict(), "rng": rngs, "world_size": world,
-                "eval_before": eval_before, "train": spec["train"], "model": spec["model"], "seed": spec["seed"]}
+                "eval_before": eval_before, "train": spec.train.model_dump(mode="json"),
+                "model": spec.model.model_dump(mode="json"), "seed": spec.seed}
         checkpoint.finalize(ckpt_dir, tag, meta, keep_last)
         _say(CHECKPOINT, {"step": step, "tag": tag})
     dist.barrier()
 
 
-def export(model: GLMModel, out_dir: Path, tokenizer_dir: str | None, evals: dict[str, float]) -> None:
+def export(model: GLMModel, out_dir: Path, tokenizer_dir: Path | None, evals: dict[str, float]) -> None:
     """The stage artifact: our consolidated safetensors (the next stage starts from it) and the
     Hugging Face export with tokenizer.json (for `glmforge eval perplexity --model out/hf`)."""
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -36,6 +36,8 @@ from training.config import ContextConfig, PretrainConfig, TrainConfig
 from training.launch import run_ranks
 from training.longdata import pack_stage_data
 from training.loop import CHECKPOINT, METRIC
+from training.objectives import LMSpec, ObjectiveSpec
+from training.rank_spec import RankSpec
 
 log = logging.getLogger("glmforge")
 CONTEXT_STAGES = ("context-1", "context-2", "context-3")
@@ -63,11 +65,22 @@ def _state_config(path: Path) -> ModelConfig:
     return ModelConfig.model_validate_json(meta["glmforge_config"])
 
 
+def rank_spec(cfg: TrainConfig, model_cfg: ModelConfig, workdir: Workdir, total_steps: int, data_dir: Path,
+              tokenizer_dir: Path, init_weights: Path | None, resume: str | None,
+              objective: ObjectiveSpec) -> RankSpec:
+    return RankSpec(
+        # the ranks need the shared training fields only (not the model/data sections)
+        train=TrainConfig(**{k: getattr(cfg, k) for k in TrainConfig.model_fields}),
+        model=model_cfg, seed=workdir.seed + cfg.seed_offset, total_steps=total_steps,
+        data_dir=data_dir, tokenizer_dir=tokenizer_dir, checkpoint_dir=workdir.checkpoint, out_dir=workdir.out,
+        init_weights=init_weights, resume=resume, objective=objective)
+
+
 def train_stage(name: str, cfg: TrainConfig, model_cfg: ModelConfig, data_dir: Path, tokenizer_dir: Path,
                 workdir: Workdir, init_weights: Path | None = None,
-                objective: dict[str, Any] | None = None) -> dict[str, Any]:
+                objective: ObjectiveSpec | None = None) -> dict[str, Any]:
     """Launch (or resume) the ranks, then turn their outputs into the stage artifact + metrics.
-    `objective` names what the ranks optimise (training.objectives; default: the LM loss)."""
+    `objective` is what the ranks optimise (training.objectives; default: the LM loss)."""
     train_ds = PackedDataset(data_dir, "train")
     seq_len = train_ds.seq_len
     if seq_len > model_cfg.max_position_embeddings:
@@ -91,20 +104,8 @@ def train_stage(name: str, cfg: TrainConfig, model_cfg: ModelConfig, data_dir: P
         metrics.truncate(log_path, resume[1]["step"])
         log.info("%s: resuming from checkpoint %s (step %d of %d)", name, resume[0], resume[1]["step"], total)
 
-    spec = {
-        # the ranks need the shared training fields only (not the model/data sections)
-        "train": TrainConfig(**{k: getattr(cfg, k) for k in TrainConfig.model_fields}).model_dump(mode="json"),
-        "model": model_cfg.model_dump(mode="json"),
-        "seed": workdir.seed + cfg.seed_offset,
-        "total_steps": total,
-        "data_dir": str(data_dir),
-        "tokenizer_dir": str(tokenizer_dir),
-        "checkpoint_dir": str(ckpt),
-        "out_dir": str(workdir.out),
-        "init_weights": str(init_weights) if init_weights else None,
-        "resume": resume[0] if resume else None,
-        "objective": objective or {"name": "lm"},
-    }
+    spec = rank_spec(cfg, model_cfg, workdir, total, data_dir, tokenizer_dir, init_weights,
+                     resume[0] if resume else None, objective or LMSpec())
 
     def on_line(line: str) -> None:
         if line.startswith(METRIC + " "):

@@ -1,6 +1,6 @@
 """search: answer a question about the Python stdlib from a local docstring corpus.
 
-Corpus: training.sft_data.stdlib_functions() (documented top-level functions of small pure-Python
+Corpus: posttrain.sft_data.stdlib_functions() (documented top-level functions of small pure-Python
 stdlib modules, read with ast from this interpreter's stdlib). Each task quotes the summary line of
 one function's docstring and asks which function of its module it documents; the summary must be
 unique in the module and must not contain the function's name. Answer: the function's name alone
@@ -10,7 +10,7 @@ crc32 of the dotted name, 20%.
 Tools:
     search(query)  BM25 over each function's dotted name and docstring: the top 5 as
                    "module.function: summary line"
-    open(name)     the docstring of a dotted (or bare) name, as training.sft_data.DocIndex shows it
+    open(name)     the docstring of a dotted (or bare) name, as posttrain.sft_data.DocIndex shows it
 
 Long episodes are meant to run under rl.envs.context.manage_context (keep-recent-k, reset).
 """
@@ -64,7 +64,7 @@ class BM25:
 @functools.lru_cache(maxsize=2)
 def _corpus(max_chars: int):
     """(functions by name, BM25, DocIndex): built once per process, never pickled."""
-    from training.sft_data import DocIndex, stdlib_functions
+    from posttrain.sft_data import DocIndex, stdlib_functions
     fns = stdlib_functions()
     return {f.name: f for f in fns}, BM25({f.name: f.doc for f in fns}), DocIndex(fns, max_chars)
 

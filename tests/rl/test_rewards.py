@@ -12,7 +12,7 @@ import pytest
 from posttrain.chat_template import ASSISTANT, EOS, OBSERVATION, Message, ToolCall, assistant_text
 from rl.rewards import REWARDS, RewardWorker, Task, equivalent, score_sample
 from rl.sandbox import isolation
-from training.sft_data import DocIndex, SFTDataConfig, calculator, stdlib_functions
+from posttrain.sft_data import DocIndex, SFTDataConfig, calculator, stdlib_functions
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from data_processing.document import Document
 from data_processing.packing import PackConfig, pack
 from data_processing.tokenizer import TOKENIZER_FILE, train_tokenizer
@@ -39,8 +37,3 @@ def build_packed(root: Path) -> dict[str, Path]:
                                sequences_per_shard=300), root / "pack")
     (root / "pack" / TOKENIZER_FILE).write_bytes((root / "tokenize" / TOKENIZER_FILE).read_bytes())
     return {"pack": root / "pack", "tokenize": root / "tokenize"}
-
-
-@pytest.fixture(scope="session")
-def packed(tmp_path_factory) -> dict[str, Path]:
-    return build_packed(tmp_path_factory.mktemp("packed"))

@@ -25,7 +25,9 @@ from tests.training.conftest import MODEL_OVERRIDES, stdlib_docs
 from training import checkpoint, dsa, metrics
 from training.config import ContextConfig
 from training.dsa import (STAGES, DsaAdaptConfig, DsaDataConfig, DsaWarmupConfig, LongEvalConfig,
-                          SparseAdaptation, run_adapt, run_warmup)
+                          run_adapt, run_warmup)
+from training.dsa_loss import SparseAdaptation
+from training.objectives import DsaSparseSpec
 
 SEQ, EVAL_LEN = 128, 96          # index_topk is 32: every evaluated row is genuinely sparse
 COMMON = dict(seq_len=SEQ, micro_batch_size=2, checkpoint_every=2, eval_sequences=4, val_fraction=0.1,
@@ -181,7 +183,7 @@ def test_configs_refuse_what_cannot_work():
     with pytest.raises(ValueError, match="baselines"):
         DsaAdaptConfig(baselines=("full", "dense"))
     with pytest.raises(ValueError, match="indexer_loss_coeff"):
-        SparseAdaptation(indexer_loss_coeff=0.0)
+        DsaSparseSpec(indexer_loss_coeff=0.0)
     assert [(s.name, s.section, s.parents) for s in STAGES] == [
         ("dsa-warmup", "dsa_warmup", ("context-3", "decontaminate", "tokenize")),
         ("dsa-adapt", "dsa_adapt", ("dsa-warmup", "decontaminate", "tokenize"))]

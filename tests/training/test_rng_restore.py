@@ -1,9 +1,13 @@
 """RNG restore on resume. The LM objective draws no random numbers, so step-exact resume tests
 pass even with training.checkpoint.set_rng_state doing nothing. Here an objective that draws
 from every RNG a checkpoint saves (torch, numpy, Python) scales the loss by those draws: a
-resumed run reproduces the uninterrupted one only when all three streams are restored."""
+resumed run reproduces the uninterrupted one only when all three streams are restored.
+
+The objective is not one a stage can ask for (the rank builds only training.objectives'
+table), so the rank loop runs in this process, one rank, with the objective passed in."""
 from __future__ import annotations
 
+import multiprocessing
 import random
 import shutil
 from pathlib import Path
@@ -14,17 +18,19 @@ import torch
 from safetensors.torch import load_file
 
 from glmforge.stage import Workdir
-from tests.training.conftest import MODEL_OVERRIDES
+from tests.training.conftest import MODEL_OVERRIDES, SEQ_LEN
 from training import checkpoint, metrics
 from training.config import PretrainConfig
-from training.objectives import Objective, register
-from training.stages import model_config_for, train_stage
+from tests.conftest import free_port
+from training import loop
+from training.objectives import LMSpec, Objective
+from training.rank_spec import RankSpec
+from training.stages import model_config_for, publish, rank_spec
 from data_processing.tokenizer import load_tokenizer
 
 STEPS, EVERY = 4, 2
 
 
-@register("rng_noise")
 class RngNoise(Objective):
     """The LM loss times 1 + 0.05 * (a torch, a numpy and a Python draw): every step's loss,
     gradients and weights depend on the state of all three generators."""
@@ -48,13 +54,31 @@ def test_rng_state_round_trip_restores_every_generator():
     assert got[2] == want[2], "python RNG not restored"
 
 
+def _rank(spec_json: str) -> None:
+    import os
+
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port())})
+    torch.set_num_threads(1)
+    loop.train(RankSpec.model_validate_json(spec_json), objective=RngNoise())
+
+
 def _train(packed: dict[str, Path], wd: Workdir) -> dict:
     cfg = PretrainConfig(model_overrides=MODEL_OVERRIDES, micro_batch_size=4, max_steps=STEPS,
                          checkpoint_every=EVERY, keep_last=2, lr=0.02, warmup_steps=1, eval_sequences=4,
                          launch={"nproc_per_node": 1})
     model_cfg = model_config_for(cfg, load_tokenizer(packed["tokenize"]).get_vocab_size())
-    return train_stage("pretrain", cfg, model_cfg, packed["pack"], packed["tokenize"], wd,
-                       objective={"name": "rng_noise", "module": __name__})
+    resume = checkpoint.select_resume(wd.checkpoint)
+    if resume:   # as train_stage: the steps after the checkpoint are logged again
+        metrics.truncate(wd.checkpoint / "metrics.jsonl", resume[1]["step"])
+    spec = rank_spec(cfg, model_cfg, wd, STEPS, packed["pack"], packed["tokenize"], None,
+                     resume[0] if resume else None, LMSpec())
+    # a process of its own, as a rank: a process group cannot be set up twice in one process
+    proc = multiprocessing.get_context("spawn").Process(target=_rank, args=(spec.model_dump_json(),))
+    proc.start()
+    proc.join(timeout=300)
+    assert proc.exitcode == 0, f"rank exited with {proc.exitcode}"
+    return publish("pretrain", wd, model_cfg, cfg, SEQ_LEN, resume)
 
 
 def test_resumed_training_draws_the_same_random_numbers(packed, tmp_path):

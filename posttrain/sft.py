@@ -1,12 +1,12 @@
 """The `sft` stage: supervised fine-tuning on chat, reasoning, tool-use and code conversations
-(training.sft_data), with INT4 quantization-aware training, then the INT4 evaluation and exports.
+(posttrain.sft_data), with INT4 quantization-aware training, then the INT4 evaluation and exports.
 
     dsa-adapt (weights), tokenize (tokenizer) --> sft
 
-1. Data: training.sft_data builds the conversations, encodes them with the chat template (loss
+1. Data: posttrain.sft_data builds the conversations, encodes them with the chat template (loss
    mask = the assistant's tokens) and packs whole samples with their masks under
    workdir.checkpoint/data (rebuilt only when missing: the build is deterministic).
-2. Training: training.stages.train_stage with the `sft` objective below, i.e. the shared loop,
+2. Training: training.stages.train_stage with the `sft` objective (training.objectives), i.e. the shared loop,
    launch, checkpoints, resume and metrics. The objective fake-quantizes the selected weights
    (posttrain.qat.prepare_qat, state-dict names unchanged, so checkpoints and resume are those
    of any stage) and takes the model's LM + MTP loss on the masked labels (training.data.collate
@@ -61,12 +61,12 @@ from model.hf import load_state
 from model.model import GLMModel
 from posttrain.chat_template import STOP_TOKENS, Message, encode, parse_assistant
 from posttrain.export_int4 import export_all
-from posttrain.qat import (QATConfig, convert_int4, int4_bytes, load_int4_model, prepare_qat, quantized_modules,
+from posttrain.qat import (QATConfig, convert_int4, int4_bytes, load_int4_model, quantized_modules,
                            save_int4)
 from training.config import TrainConfig
 from training.data import eval_batches
-from training.objectives import Objective, register
-from training.sft_data import SFTDataConfig, build_sft_data, extract_answer, format_number, gsm8k_splits
+from training.objectives import SFTSpec
+from posttrain.sft_data import SFTDataConfig, build_sft_data, extract_answer, format_number, gsm8k_splits
 from training.stages import _state_config, train_stage
 
 log = logging.getLogger("glmforge")
@@ -87,37 +87,6 @@ class SFTConfig(TrainConfig):
     ptq_baseline: bool = Field(True, description="also train the same run without QAT: the PTQ baseline")
     eval_gsm8k: int = Field(16, ge=0, description="held-out GSM8K questions answered by greedy generation")
     max_new_tokens: int = Field(96, ge=1, description="generation budget per GSM8K answer")
-
-
-# ---------------------------------------------------------------- the objective (rank side)
-@register("sft")
-class SFTObjective(Objective):
-    """The model's LM + MTP (+ balance) loss on masked labels, with INT4 fake quantization of
-    the weights QATConfig selects when `qat` is given."""
-
-    def __init__(self, qat: dict[str, Any] | None = None, qat_start_step: int = 0):
-        super().__init__()
-        if qat_start_step < 0:
-            raise ValueError(f"qat_start_step must be >= 0, got {qat_start_step}")
-        self.qat = None if qat is None else QATConfig.model_validate(qat)
-        self.qat_start_step = qat_start_step
-        self._qat_on = False
-
-    def prepare(self, model: torch.nn.Module) -> None:
-        self.begin_step(model, 0)
-
-    def begin_step(self, model: torch.nn.Module, step: int) -> None:
-        # Fake quantization swaps module classes and keeps the parameters, so turning it on
-        # mid-run leaves the optimizer state valid; a resumed run turns it on at its first step.
-        if self.qat is not None and not self._qat_on and step >= self.qat_start_step:
-            prepare_qat(model, self.qat)
-            self._qat_on = True
-
-
-def objective_spec(qat: QATConfig | None, qat_start_step: int = 0) -> dict[str, Any]:
-    """The rank spec's objective: the ranks import this module to find "sft"."""
-    return {"name": "sft", "module": __name__, "qat": None if qat is None else qat.model_dump(mode="json"),
-            "qat_start_step": qat_start_step}
 
 
 # ---------------------------------------------------------------- evaluation (stage side)
@@ -267,8 +236,8 @@ def run_sft(cfg: SFTConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[s
     data_dir, data_stats = _data(cfg, tokenizer, workdir)
 
     result = train_stage("sft", cfg, model_cfg, data_dir, tok_dir, workdir, init,
-                         objective_spec(cfg.qat if cfg.use_qat else None,
-                                        int(cfg.qat_start_fraction * cfg.steps_for(cfg.seq_len))))
+                         SFTSpec(qat=cfg.qat if cfg.use_qat else None,
+                                 qat_start_step=int(cfg.qat_start_fraction * cfg.steps_for(cfg.seq_len))))
 
     baseline = None
     if cfg.ptq_baseline and cfg.use_qat:
@@ -279,7 +248,7 @@ def run_sft(cfg: SFTConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[s
         bwd.checkpoint.mkdir(parents=True, exist_ok=True)
         # eval.json is the loop's last export file: a retry after the baseline finished skips it
         if not (bwd.out / "eval.json").exists():
-            train_stage("sft-baseline", cfg, model_cfg, data_dir, tok_dir, bwd, init, objective_spec(None))
+            train_stage("sft-baseline", cfg, model_cfg, data_dir, tok_dir, bwd, init, SFTSpec())
         baseline = bwd.out / "consolidated.safetensors"
 
     out = workdir.out

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from data_processing.packing import PackedDataset
-from data_processing.tokenizer import TOKENIZER_FILE, load_tokenizer
+from data_processing.tokenizer import load_tokenizer
 from glmforge.stage import Workdir
 from model.config import tiny
 from model.hf import save_state
@@ -24,10 +24,11 @@ from posttrain.qat import QATConfig, _is_qat
 from tests.training.conftest import MODEL_OVERRIDES
 from training import checkpoint, metrics
 from training.data import IGNORE, collate, doc_ids_from_starts, eval_batches
-from training.objectives import build_objective
-from training.sft import (BASE, MODELS, RECOVERY_TARGET, SFTConfig, evaluate_quantization, gsm8k_accuracy,
-                          objective_spec, perplexity, recovery, run_sft, summarize)
-from training.sft_data import (CALCULATOR, SEARCH_DOCS, DocIndex, SFTDataConfig, build_samples, build_sft_data,
+from model.config import preset
+from training.objectives import SFTObjective, SFTSpec, build_objective
+from posttrain.sft import (BASE, MODELS, RECOVERY_TARGET, SFTConfig, evaluate_quantization, gsm8k_accuracy,
+                          perplexity, recovery, run_sft, summarize)
+from posttrain.sft_data import (CALCULATOR, SEARCH_DOCS, DocIndex, SFTDataConfig, build_samples, build_sft_data,
                                calculator, format_number, gsm8k_splits, stdlib_functions)
 
 SEQ = 512
@@ -132,7 +133,7 @@ def test_user_and_tool_tokens_never_contribute_to_the_loss(sft_data):
     items = [it for it in crops if it["loss_mask"][:200].any()][:2]
     batch = collate(items, pad)
     model = _model()
-    objective = build_objective({"name": "sft", "qat": QATConfig(group_size=16).model_dump()})
+    objective = build_objective(SFTSpec(qat=QATConfig(group_size=16)))
     objective.prepare(model)
     assert any(_is_qat(m) for m in model.modules())
 
@@ -197,22 +198,30 @@ def _config(**kw) -> SFTConfig:
     return SFTConfig(**{**base, **kw})
 
 
-def test_objective_spec_names_its_module():
-    spec = objective_spec(QATConfig(group_size=16))
-    assert spec["module"] == "training.sft" and spec["qat"]["group_size"] == 16
-    with pytest.raises(ValueError, match="unknown training objective"):
-        build_objective({"name": "nope"})
+def test_the_rank_spec_carries_the_objective_typed():
+    from pydantic import ValidationError
+
+    from training.rank_spec import RankSpec
+
+    spec = RankSpec(train={}, model=preset("tiny", vocab_size=64), seed=1, total_steps=3, data_dir="d",
+                    tokenizer_dir="t", checkpoint_dir="c", out_dir="o",
+                    objective=SFTSpec(qat=QATConfig(group_size=16), qat_start_step=2))
+    back = RankSpec.model_validate_json(spec.model_dump_json())
+    assert back == spec and isinstance(back.objective, SFTSpec) and back.objective.qat.group_size == 16
+    assert isinstance(build_objective(back.objective), SFTObjective)
+    with pytest.raises(ValidationError, match="does not match any of the expected tags"):
+        RankSpec.model_validate({**spec.model_dump(mode="json"), "objective": {"name": "nope"}})
+    with pytest.raises(ValidationError, match="qat_start_step"):
+        SFTSpec(qat_start_step=-1)
 
 
 def test_fake_quantization_starts_at_its_step():
     from model.config import preset
     from model.model import GLMModel
     from posttrain.qat import quantized_modules
-    from training.sft import SFTObjective
 
     model = GLMModel(preset("tiny", num_layers=1, first_k_dense=1, vocab_size=64))
-    spec = objective_spec(QATConfig(group_size=16), qat_start_step=3)
-    objective = SFTObjective(**{k: v for k, v in spec.items() if k not in ("name", "module")})
+    objective = SFTObjective(SFTSpec(qat=QATConfig(group_size=16), qat_start_step=3))
     objective.prepare(model)
     mods = quantized_modules(model, QATConfig(group_size=16))
     is_fake = lambda: {type(m).__name__.startswith("QAT") for m in mods.values()}

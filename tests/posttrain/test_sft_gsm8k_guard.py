@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from training.sft_data import SFTDataConfig, read_gsm8k
+from posttrain.sft_data import SFTDataConfig, read_gsm8k
 
 
 @pytest.mark.parametrize("path", ["{samples}/gsm8k/test.jsonl", "s3://bucket/evals/gsm8k-test.jsonl", "/d/TEST.jsonl"])
