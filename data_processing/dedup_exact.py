@@ -15,8 +15,9 @@ from typing import Iterable, Iterator
 
 from pydantic import Field
 
-from data_processing.common import RemovedWriter, StepConfig, count_documents, iter_input_documents, normalize_text
-from data_processing.document import Document, ShardWriter
+from data_processing.common import StepConfig, count_documents, iter_input_documents, normalize_text
+from data_processing.document import Document
+from data_processing.filtering import Verdict, filter_documents
 from glmforge.stage import Workdir
 
 
@@ -35,7 +36,7 @@ class ExactDeduplicator:
     def __init__(self) -> None:
         self.seen: dict[bytes, str] = {}
 
-    def keep(self, doc: Document) -> bool | tuple[bool, str]:
+    def keep(self, doc: Document) -> Verdict:
         key = text_key(doc.text)
         first = self.seen.get(key)
         if first is None:
@@ -54,26 +55,8 @@ def dedup_exact(docs: Iterable[Document]) -> Iterator[Document]:
 
 def run(cfg: DedupExactConfig, inputs: dict[str, Path], workdir: Workdir) -> dict:
     (parent,) = inputs.values()
-    total = count_documents(parent)
-    dedup = ExactDeduplicator()
-    writer = ShardWriter(workdir.out, cfg.shard_size)
-    removed = RemovedWriter(workdir.out, cfg.shard_size, step="dedup-exact")
-    n = 0
-    for doc in iter_input_documents(parent):
-        verdict = dedup.keep(doc)
-        if verdict is True:
-            writer.write(doc)
-        else:
-            removed.write(doc, verdict[1])
-        n += 1
-        if n % 5000 == 0:
-            workdir.progress(n, total, "dedup-exact")
-    writer.close()
-    removed.close()
-    workdir.progress(n, total, "dedup-exact")
-    return {
-        "documents_in": n,
-        "kept": n - removed.count,
-        "removed": removed.count,
-        "removal_rate": removed.count / n if n else 0.0,
-    }
+    counts = filter_documents(
+        iter_input_documents(parent), ExactDeduplicator().keep, workdir.out, "dedup-exact", cfg.shard_size,
+        workdir.progress, count_documents(parent),
+    )
+    return counts.metrics()

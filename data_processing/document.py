@@ -109,3 +109,10 @@ class ShardWriter:
 
     def close(self) -> None:
         self.flush()
+
+
+def quality_score(metadata: dict[str, Any]) -> float:
+    """The combined score the quality step writes to metadata["quality"]["score"]; 0 when absent.
+    Dedup steps keep the highest-scoring member of a duplicate group."""
+    q = metadata.get("quality")
+    return float(q.get("score", 0.0)) if isinstance(q, dict) else 0.0

@@ -448,6 +448,4 @@ def run(cfg: IngestConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[st
     }
 
 
-STAGE = StageSpec(
-    name="ingest", section="ingest", config_cls=IngestConfig, run=run, version=STAGE_VERSION, fingerprint=fingerprint
-)
+STAGE = StageSpec("ingest", "ingest", IngestConfig, run, version=STAGE_VERSION, fingerprint=fingerprint, seeded=False)

@@ -34,7 +34,7 @@ from typing import Any, Iterable, Iterator
 
 from pydantic import Field, field_validator
 
-from data_processing.common import StepConfig, expand_path, write_jsonl
+from data_processing.common import StepConfig, content_digest, expand_path, write_jsonl
 from data_processing.document import Document, ShardWriter
 from glmforge.stage import Workdir
 
@@ -405,12 +405,25 @@ def record_text(r: dict) -> str:
     return "\n".join(parts)
 
 
-def run(cfg: IssuePRConfig, inputs: dict[str, Path], workdir: Workdir) -> dict:
+def input_files(cfg: IssuePRConfig) -> tuple[list[Path], list[Path]]:
+    """(issue/PR export files, PR file-list files), each checked to exist."""
     issue_paths = [expand_path(p) for p in cfg.issues]
     file_paths = [expand_path(p) for p in cfg.pr_files]
     for p in issue_paths + file_paths:
         if not p.is_file():
             raise ValueError(f"issue-pr: input file {p} does not exist")
+    return issue_paths, file_paths
+
+
+def fingerprint(cfg: IssuePRConfig) -> str:
+    """Content digest of the export files, in config order: part of the stage key, so an
+    edited export re-runs mining instead of serving the cached result."""
+    issue_paths, file_paths = input_files(cfg)
+    return content_digest(issue_paths + file_paths)
+
+
+def run(cfg: IssuePRConfig, inputs: dict[str, Path], workdir: Workdir) -> dict:
+    issue_paths, file_paths = input_files(cfg)
     inp = read_inputs(issue_paths, file_paths, cfg.default_repo)
     records, skipped = mine(inp, cfg.require_patch)
     write_jsonl(workdir.out / "pairs.jsonl", records)
@@ -438,15 +451,3 @@ def run(cfg: IssuePRConfig, inputs: dict[str, Path], workdir: Workdir) -> dict:
         "quarantined": len(inp.quarantine),
     }
 
-
-def tiny_defaults() -> IssuePRConfig:
-    return IssuePRConfig(
-        issues=(
-            "{samples}/github_issues/hf_datasets_issues_5634-6249.jsonl",
-            "{samples}/github_issues/pygithub_issue_pull_objects.jsonl",
-        ),
-        pr_files=("{samples}/github_issues/pygithub_replay_exchanges.jsonl",),
-        # the huggingface/datasets export has no file lists; keep its linked pairs as
-        # issue + PR text so the tiny corpus gets real SWE-style documents
-        require_patch=False,
-    )

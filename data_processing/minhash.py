@@ -33,8 +33,9 @@ import numpy as np
 import pyarrow.parquet as pq
 from pydantic import Field, model_validator
 
-from data_processing.common import RemovedWriter, StepConfig, iter_input_documents
-from data_processing.document import ShardWriter, shard_paths
+from data_processing.common import StepConfig, iter_input_documents
+from data_processing.document import quality_score, shard_paths
+from data_processing.filtering import Verdict, write_decisions
 from glmforge.stage import Workdir
 
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -334,9 +335,10 @@ def choose_kept(roots: np.ndarray, ids: Sequence[str], scores: Sequence[float]) 
     return keep
 
 
-def quality_score(meta: dict) -> float:
-    q = meta.get("quality")
-    return float(q.get("score", 0.0)) if isinstance(q, dict) else 0.0
+def verdicts(roots: np.ndarray, keep: np.ndarray, ids: Sequence[str]) -> list[Verdict]:
+    """Each document's decision: kept, or dropped as a near-duplicate of its cluster's kept one."""
+    kept_of_root = {int(roots[i]): ids[i] for i in np.flatnonzero(keep)}
+    return [True if keep[i] else (False, f"near_duplicate_of:{kept_of_root[int(roots[i])]}") for i in range(len(ids))]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,25 +379,13 @@ def run(cfg: MinHashConfig, inputs: dict[str, Path], workdir: Workdir) -> dict:
     roots, stats = cluster(sigs, cfg)
     keep = choose_kept(roots, ids, [s for _, s in docs_meta])
 
-    writer = ShardWriter(workdir.out, cfg.shard_size)
-    removed = RemovedWriter(workdir.out, cfg.shard_size, step="dedup-minhash")
-    kept_of_root = {int(roots[i]): ids[i] for i in np.flatnonzero(keep)}
-    for i, doc in enumerate(iter_input_documents(parent)):
-        if keep[i]:
-            writer.write(doc)
-        else:
-            removed.write(doc, f"near_duplicate_of:{kept_of_root[int(roots[i])]}")
-    writer.close()
-    removed.close()
+    decided = zip(iter_input_documents(parent), verdicts(roots, keep, ids), strict=True)
+    counts = write_decisions(decided, workdir.out, "dedup-minhash", cfg.shard_size)
     sizes = np.bincount(roots, minlength=len(roots))
-    n = len(ids)
     return {
-        "documents_in": n,
-        "kept": int(keep.sum()),
-        "removed": int(n - keep.sum()),
-        "removal_rate": float((n - keep.sum()) / n) if n else 0.0,
+        **counts.metrics(),
         "clusters": int((sizes > 1).sum()),
-        "largest_cluster": int(sizes.max()) if n else 0,
+        "largest_cluster": int(sizes.max()) if len(ids) else 0,
         **stats,
         "num_perm": cfg.num_perm,
         "bands": cfg.bands,

@@ -15,28 +15,32 @@ histogram PNG, and the held-out precision/recall in the metrics.
 """
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import random
 import re
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Iterator, Literal, Sequence
 
 import numpy as np
 from pydantic import Field, field_validator, model_validator
 
 from data_processing.common import (
-    RemovedWriter,
     StepConfig,
     TextSource,
+    content_digest,
     count_documents,
     iter_input_documents,
     read_text_source,
+    source_files,
 )
-from data_processing.document import Document, ShardWriter
+from data_processing.document import Document
+from data_processing.filtering import Verdict, write_decisions
 from glmforge.stage import Workdir
 
 POS, NEG = "__label__hq", "__label__lq"
+SCORE_BATCH = 1000  # documents per fastText predict call
 
 
 class ClassifierConfig(StepConfig):
@@ -209,6 +213,15 @@ def train_classifier(cfg: ClassifierConfig, workdir: Path, seed: int, holdout: f
     return clf, m
 
 
+def fingerprint(cfg: QualityConfig) -> str:
+    """Content digest of every labelled-text file the classifiers train on (samples/, the
+    standard library), in config order: part of the stage key, so edited training text
+    retrains the classifiers instead of serving the cached result."""
+    return content_digest(
+        p for c in cfg.classifiers for src in (*c.positives, *c.negatives) for p in source_files(src)
+    )
+
+
 def combine_scores(scores: dict[str, np.ndarray], how: str) -> np.ndarray:
     stack = np.stack(list(scores.values()))
     return {"max": stack.max, "mean": stack.mean, "min": stack.min}[how](axis=0)
@@ -253,52 +266,37 @@ def run(cfg: QualityConfig, inputs: dict[str, Path], workdir: Workdir) -> dict:
         classifiers[ccfg.name] = clf
         metrics["classifiers"][ccfg.name] = m
 
-    total = count_documents(parent)
-    writer = ShardWriter(workdir.out, cfg.shard_size)
-    removed = RemovedWriter(workdir.out, cfg.shard_size, step="quality")
     all_scores: dict[str, list[float]] = {n: [] for n in classifiers}
     all_combined: list[float] = []
     weights: list[float] = []
-    n = 0
-    batch: list[Document] = []
 
-    def flush(batch: list[Document]) -> None:
-        texts = [d.text for d in batch]
-        scores = {name: c.score(texts) for name, c in classifiers.items()}
-        combined = combine_scores(scores, cfg.combine)
-        for i, doc in enumerate(batch):
-            s = float(combined[i])
-            w = bucket_weight(s, cfg.bucket_edges, cfg.bucket_weights) if cfg.mode == "upsample" else 1.0
-            doc.metadata["quality"] = {"scores": {k: round(float(v[i]), 6) for k, v in scores.items()}, "score": round(s, 6), "weight": w}
-            for k, v in scores.items():
-                all_scores[k].append(float(v[i]))
-            all_combined.append(s)
-            if cfg.mode == "filter" and s < cfg.threshold:
-                removed.write(doc, f"quality_below_threshold:{s:.3f}<{cfg.threshold}")
-            else:
-                writer.write(doc)
-                weights.append(w)
+    def scored(docs: Iterator[Document]) -> Iterator[tuple[Document, Verdict]]:
+        """Score in batches (one fastText predict call each), annotate, decide."""
+        while batch := list(itertools.islice(docs, SCORE_BATCH)):
+            texts = [d.text for d in batch]
+            scores = {name: c.score(texts) for name, c in classifiers.items()}
+            combined = combine_scores(scores, cfg.combine)
+            for i, doc in enumerate(batch):
+                s = float(combined[i])
+                w = bucket_weight(s, cfg.bucket_edges, cfg.bucket_weights) if cfg.mode == "upsample" else 1.0
+                doc.metadata["quality"] = {"scores": {k: round(float(v[i]), 6) for k, v in scores.items()}, "score": round(s, 6), "weight": w}
+                for k, v in scores.items():
+                    all_scores[k].append(float(v[i]))
+                all_combined.append(s)
+                if cfg.mode == "filter" and s < cfg.threshold:
+                    yield doc, (False, f"quality_below_threshold:{s:.3f}<{cfg.threshold}")
+                else:
+                    weights.append(w)
+                    yield doc, True
 
-    for doc in iter_input_documents(parent):
-        batch.append(doc)
-        n += 1
-        if len(batch) >= 1000:
-            flush(batch)
-            batch = []
-            workdir.progress(n, total, "quality scoring")
-    if batch:
-        flush(batch)
-    writer.close()
-    removed.close()
-    workdir.progress(n, total, "quality scoring")
-
+    counts = write_decisions(
+        scored(iter_input_documents(parent)), workdir.out, "quality", cfg.shard_size, workdir.progress, count_documents(parent)
+    )
+    n = counts.documents_in
     _histogram(workdir.out / "quality_histogram.png", all_scores, all_combined, cfg.threshold)
     comb = np.asarray(all_combined)
     metrics.update(
-        documents_in=n,
-        kept=n - removed.count,
-        removed=removed.count,
-        removal_rate=removed.count / n if n else 0.0,
+        **counts.metrics(),
         mean_score=float(comb.mean()) if n else 0.0,
         score_quantiles={q: float(np.quantile(comb, q)) for q in (0.1, 0.5, 0.9)} if n else {},
         effective_documents=float(sum(weights)),
@@ -306,35 +304,3 @@ def run(cfg: QualityConfig, inputs: dict[str, Path], workdir: Workdir) -> dict:
     )
     return metrics
 
-
-def tiny_defaults() -> QualityConfig:
-    """Real text only. dclm: positives = GSM8K worked solutions and well-formed
-    huggingface/datasets issue text; negatives = the same kinds of real text with words
-    shuffled (DCLM's negatives are fluent-looking junk; shuffling keeps the vocabulary and
-    removes the syntax) plus raw PyGithub API replay lines (machine-generated noise).
-    knowledge: positives = Python standard-library docstrings (reference prose about how
-    things work); negatives = Tiny Shakespeare dialogue (fluent, not world knowledge)."""
-    return QualityConfig(
-        classifiers=(
-            ClassifierConfig(
-                name="dclm",
-                positives=(
-                    TextSource(path="{samples}/gsm8k/train.jsonl", fields=("question", "answer"), limit=1500),
-                    TextSource(path="{samples}/github_issues/hf_datasets_issues_5634-6249.jsonl", fields=("title", "body"), min_chars=200, limit=400),
-                ),
-                negatives=(
-                    TextSource(path="{samples}/gsm8k/train.jsonl", fields=("question", "answer"), transform="shuffle_words", limit=1000),
-                    TextSource(path="{samples}/github_issues/pygithub_replay_exchanges.jsonl", fields=("*",), limit=400),
-                    TextSource(path="{samples}/github_issues/hf_datasets_issues_5634-6249.jsonl", fields=("title", "body"), transform="shuffle_words", min_chars=200, limit=400),
-                ),
-                threshold=0.5,
-            ),
-            ClassifierConfig(
-                name="knowledge",
-                positives=(TextSource(path="{stdlib}", glob="*.py", unit="docstring", min_chars=120, limit=2000),),
-                negatives=(TextSource(path="{samples}/tinyshakespeare/input.txt", unit="paragraph", min_chars=120, limit=2000),),
-                threshold=0.5,
-            ),
-        ),
-        mode="upsample",
-    )

@@ -22,9 +22,9 @@ from typing import Literal, Sequence
 import numpy as np
 from pydantic import Field
 
-from data_processing.common import RemovedWriter, StepConfig, iter_input_documents
-from data_processing.document import ShardWriter
-from data_processing.minhash import quality_score
+from data_processing.common import StepConfig, iter_input_documents
+from data_processing.document import quality_score
+from data_processing.filtering import Verdict, write_decisions
 from glmforge.stage import Workdir
 
 
@@ -164,23 +164,18 @@ def run(cfg: SemanticConfig, inputs: dict[str, Path], workdir: Workdir) -> dict:
         workdir.persist_checkpoint()
     ids = [d.id for d in docs]
     keep, assign, dup_of = semdedup(emb, ids, [quality_score(d.metadata) for d in docs], cfg)
-    writer = ShardWriter(workdir.out, cfg.shard_size)
-    removed = RemovedWriter(workdir.out, cfg.shard_size, step="dedup-semantic")
+    decided: list[Verdict] = []
     for i, d in enumerate(docs):
         d.metadata["semantic_cluster"] = int(assign[i])
         if keep[i]:
-            writer.write(d)
+            decided.append(True)
         else:
             cos = float(emb[i] @ emb[dup_of[i]])
-            removed.write(d, f"semantic_duplicate_of:{ids[dup_of[i]]}:cos={cos:.3f}")
-    writer.close()
-    removed.close()
+            decided.append((False, f"semantic_duplicate_of:{ids[dup_of[i]]}:cos={cos:.3f}"))
+    counts = write_decisions(zip(docs, decided, strict=True), workdir.out, "dedup-semantic", cfg.shard_size)
     n = len(docs)
     return {
-        "documents_in": n,
-        "kept": int(keep.sum()),
-        "removed": int(n - keep.sum()),
-        "removal_rate": float((n - keep.sum()) / n) if n else 0.0,
+        **counts.metrics(),
         "clusters": int(len(np.unique(assign))) if n else 0,
         "embedder": cfg.embedder,
         "embedding_dim": int(emb.shape[1]) if n else 0,

@@ -34,9 +34,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from data_processing.common import REMOVED_DIR
 from data_processing.dedup_exact import text_key
-from data_processing.document import SCHEMA, shard_name, shard_paths
+from data_processing.document import SCHEMA, quality_score, shard_name, shard_paths
+from data_processing.filtering import REMOVED_DIR, removed_metadata
 from data_processing.minhash import (
     MinHashConfig,
     UnionFind,
@@ -44,8 +44,8 @@ from data_processing.minhash import (
     band_weights,
     bucket_pairs,
     minhash_signatures,
-    quality_score,
 )
+
 
 @dataclass(frozen=True)
 class ShardPlan:
@@ -147,7 +147,7 @@ def _write_dups(rows: np.ndarray, reasons: list[str], sp: ShardPlan, directory: 
 # Shared tail: drop the rows marked as duplicates, then cut the survivors into output shards.
 def filter_shard(shard_path: str, shard_index: int, offset: int, step: str, scratch: str) -> dict[str, int]:
     """Kept and removed documents of one input shard, in row order, as pieces/{kept,removed}/s{i}.
-    Removed documents carry metadata removed_reason / removed_by like RemovedWriter's."""
+    Removed documents carry metadata removed_reason / removed_by as filtering.write_decisions writes."""
     dup_files = sorted((Path(scratch) / "dups").glob(f"s{shard_index:05d}*.parquet"))
     reason: dict[int, str] = {}
     for f in dup_files:
@@ -162,9 +162,7 @@ def filter_shard(shard_path: str, shard_index: int, offset: int, step: str, scra
     metas = t.column("metadata").to_pylist()
     new_meta = []
     for r in removed_rows.tolist():
-        m = json.loads(metas[r] or "{}")
-        m["removed_reason"] = reason[r]
-        m["removed_by"] = step
+        m = removed_metadata(json.loads(metas[r] or "{}"), reason[r], step)
         new_meta.append(json.dumps(m, sort_keys=True, ensure_ascii=False))
     removed = t.take(pa.array(removed_rows)).set_column(3, "metadata", pa.array(new_meta, pa.string()))
     root = Path(scratch) / "pieces"

@@ -4,8 +4,10 @@
     issue-pr (root, reads GitHub REST exports named in its config) ------^
     decontaminate -> tokenize -> pack (pack also reads decontaminate's shards)
 
-`tiny_defaults()` gives each section's config for the tiny preset (real text from samples/
-and the Python standard library).
+quality, issue-pr and decontaminate also read raw files that are no artifact (labelled text,
+GitHub exports, eval sets): their `fingerprint` (a content digest of those files) joins the
+stage key. Curation stages take their seeds from their own sections (seeded=False): run.seed
+is not in their keys. The presets' settings live in configs/*.yaml only.
 """
 from __future__ import annotations
 
@@ -14,30 +16,21 @@ from glmforge.stage import StageSpec
 from data_processing import decontaminate, dedup_exact, issue_pr, minhash, packing, quality, semantic, tokenizer
 
 STAGES: list[StageSpec] = [
-    StageSpec("quality", "quality", quality.QualityConfig, quality.run, parents=("ingest",)),
-    StageSpec("dedup-exact", "dedup_exact", dedup_exact.DedupExactConfig, dedup_exact.run, parents=("quality",)),
-    StageSpec("dedup-minhash", "dedup_minhash", minhash.MinHashConfig, minhash.run, parents=("dedup-exact",)),
-    StageSpec("dedup-semantic", "dedup_semantic", semantic.SemanticConfig, semantic.run, parents=("dedup-minhash",)),
-    StageSpec("issue-pr", "issue_pr", issue_pr.IssuePRConfig, issue_pr.run, parents=()),
-    StageSpec(
-        "decontaminate", "decontaminate", decontaminate.DecontaminateConfig, decontaminate.run,
-        parents=("dedup-semantic", "issue-pr"),
-    ),
-    StageSpec("tokenize", "tokenize", tokenizer.TokenizeConfig, tokenizer.run, parents=("decontaminate",)),
-    StageSpec("pack", "pack", packing.PackConfig, packing.run, parents=("decontaminate", "tokenize")),
+    StageSpec("quality", "quality", quality.QualityConfig, quality.run, parents=("ingest",),
+              fingerprint=quality.fingerprint, seeded=False),
+    StageSpec("dedup-exact", "dedup_exact", dedup_exact.DedupExactConfig, dedup_exact.run, parents=("quality",),
+              seeded=False),
+    StageSpec("dedup-minhash", "dedup_minhash", minhash.MinHashConfig, minhash.run, parents=("dedup-exact",),
+              seeded=False),
+    StageSpec("dedup-semantic", "dedup_semantic", semantic.SemanticConfig, semantic.run, parents=("dedup-minhash",),
+              seeded=False),
+    StageSpec("issue-pr", "issue_pr", issue_pr.IssuePRConfig, issue_pr.run, parents=(),
+              fingerprint=issue_pr.fingerprint, seeded=False),
+    StageSpec("decontaminate", "decontaminate", decontaminate.DecontaminateConfig, decontaminate.run,
+              parents=("dedup-semantic", "issue-pr"), fingerprint=decontaminate.fingerprint, seeded=False),
+    StageSpec("tokenize", "tokenize", tokenizer.TokenizeConfig, tokenizer.run, parents=("decontaminate",),
+              seeded=False),
+    StageSpec("pack", "pack", packing.PackConfig, packing.run, parents=("decontaminate", "tokenize"), seeded=False),
 ]
 STEPS: dict[str, StageSpec] = {s.name: s for s in STAGES}
 
-
-def tiny_defaults() -> dict[str, object]:
-    """Config section -> config object for the tiny preset (2 cores, well under 3 minutes)."""
-    return {
-        "quality": quality.tiny_defaults(),
-        "dedup_exact": dedup_exact.DedupExactConfig(),
-        "dedup_minhash": minhash.MinHashConfig(),
-        "dedup_semantic": semantic.SemanticConfig(embedder="model2vec", clusters=16, threshold=0.95),
-        "issue_pr": issue_pr.tiny_defaults(),
-        "decontaminate": decontaminate.tiny_defaults(),
-        "tokenize": tokenizer.TokenizeConfig(vocab_size=8192),
-        "pack": packing.PackConfig(seq_len=256, val_fraction=0.05, fim_rate=0.1, code_sources=("code", "stdlib", "issue-pr")),
-    }

@@ -17,6 +17,7 @@ from prefect_dask import DaskTaskRunner
 from pydantic import BaseModel, Field
 
 from data_processing import sharded_dedup as sd
+from data_processing.filtering import count_metrics
 from data_processing.minhash import MinHashConfig
 
 
@@ -71,9 +72,7 @@ def _write_outputs(sp: sd.ShardPlan, step: str, shard_size: int, scratch: str, o
                                        unmapped(scratch), unmapped(out)))
     for j in jobs:
         j.result()
-    kept = sum(x["kept"] for x in counts)
-    n = sp.total
-    return {"documents_in": n, "kept": kept, "removed": n - kept, "removal_rate": (n - kept) / n if n else 0.0}
+    return count_metrics(sp.total, sum(x["kept"] for x in counts))
 
 
 @flow(name="curate-dedup-dask")

@@ -6,7 +6,7 @@ from typing import Any
 from prefect import flow
 
 from glmforge.config import load_config, pipeline_model
-from glmforge.pipeline import get_stage, stages_until
+from glmforge.pipeline import STAGES, get_stage, stages_until
 from glmforge.runner import Runner, RunRecord, execute
 from tasks.stages import run_in_prefect
 from tasks.store import configured_store
@@ -27,7 +27,7 @@ def pipeline(
     """Run every stage (or those `until` needs) in order; published stages are skipped."""
     cfg = load_config(None if config_file else preset, config_file, overrides)
     specs = stages_until(until)
-    runner = Runner(cfg, configured_store(cfg.store, store))
+    runner = Runner(cfg, configured_store(cfg.store, store), STAGES)
     record = RunRecord.new(cfg, _source(preset, config_file, overrides, until), [s.name for s in specs])
     execute(runner, specs, record, run_one=lambda spec, parents: run_in_prefect(spec, cfg.tasks, runner, parents))
     return record.public()
@@ -57,7 +57,7 @@ def stage(
     else:
         cfg = given
         record = RunRecord.new(cfg, _source(preset, config_file, overrides, stage), [stage])
-    runner = Runner(cfg, st)
+    runner = Runner(cfg, st, STAGES)
     record.state = "running"
     execute(runner, [spec], record, run_one=lambda s, parents: run_in_prefect(s, cfg.tasks, runner, parents))
     return record.public()

@@ -1,38 +1,56 @@
 """The stage registry: every stage the pipeline knows, in execution order.
 
-Each library package exports its StageSpecs; this is the one place that orders them. Stages not
-built yet are not listed (the README says which ones are missing)."""
+This is the application's one picture of the DAG. Curation stages come from
+data_processing.stages (torch-free modules); the training and post-training stages are named by
+"module:attribute" references, imported only when a config is validated or a stage runs, so
+`glmforge status`, `artifacts` and `--help` never load torch.
+
+    ingest -> quality -> dedup-exact -> dedup-minhash -> dedup-semantic -> decontaminate
+    issue-pr --------------------------------------------------------------^
+    decontaminate -> tokenize -> pack -> pretrain -> context-1 -> context-2 -> context-3
+    -> dsa-warmup -> dsa-adapt -> sft -> rl-reasoning -> rl-agentic
+    sft -> reward-model;  rl-agentic + reward-model -> rl-general
+    rl-general + sft + rl-reasoning + rl-agentic (teachers) -> distill
+"""
 from __future__ import annotations
 
 from data_processing.ingest import STAGE as INGEST
+from data_processing.stages import STAGES as CURATION
 from glmforge.stage import StageSpec
 
+LONG = ("decontaminate", "tokenize")   # the long-context stages pack their mix from these
 
-def _curation() -> list[StageSpec]:
-    from data_processing.stages import STAGES as curation
+TRAINING: list[StageSpec] = [
+    StageSpec("pretrain", "pretrain", "training.config:PretrainConfig", "training.stages:run_pretrain",
+              parents=("pack", "tokenize")),
+    StageSpec("context-1", "context_1", "training.config:ContextConfig", "training.stages:run_context_1",
+              parents=("pretrain", *LONG)),
+    StageSpec("context-2", "context_2", "training.config:ContextConfig", "training.stages:run_context_2",
+              parents=("context-1", *LONG)),
+    StageSpec("context-3", "context_3", "training.config:ContextConfig", "training.stages:run_context_3",
+              parents=("context-2", *LONG)),
+    StageSpec("dsa-warmup", "dsa_warmup", "training.dsa:DsaWarmupConfig", "training.dsa:run_warmup",
+              parents=("context-3", *LONG)),
+    StageSpec("dsa-adapt", "dsa_adapt", "training.dsa:DsaAdaptConfig", "training.dsa:run_adapt",
+              parents=("dsa-warmup", *LONG)),
+]
 
-    return [s for s in curation if s.name != "ingest"]
+POSTTRAIN: list[StageSpec] = [
+    # GLM-5 post-trains the model that DSA continue-pretraining produced.
+    StageSpec("sft", "sft", "posttrain.sft:SFTConfig", "posttrain.sft:run_sft", parents=("dsa-adapt", "tokenize")),
+    StageSpec("rl-reasoning", "rl_reasoning", "posttrain.rl_reasoning:RLReasoningConfig",
+              "posttrain.rl_reasoning:run_rl_reasoning", parents=("sft", "tokenize")),
+    StageSpec("rl-agentic", "rl_agentic", "posttrain.rl_agentic:RLAgenticConfig",
+              "posttrain.rl_agentic:run_rl_agentic", parents=("rl-reasoning", "tokenize")),
+    StageSpec("reward-model", "reward_model", "posttrain.reward_model:RewardModelConfig",
+              "posttrain.reward_model:run_reward_model", parents=("sft", "tokenize")),
+    StageSpec("rl-general", "rl_general", "posttrain.rl_general:RLGeneralConfig",
+              "posttrain.rl_general:run_rl_general", parents=("rl-agentic", "reward-model", "sft", "tokenize")),
+    StageSpec("distill", "distill", "posttrain.distill:DistillConfig", "posttrain.distill:run_distill",
+              parents=("rl-general", "sft", "rl-reasoning", "rl-agentic", "tokenize")),
+]
 
-
-def _training() -> list[StageSpec]:
-    from training.dsa import STAGES as dsa
-    from posttrain.sft import STAGES as sft
-    from training.stages import STAGES as training
-
-    return [*training, *dsa, *sft]
-
-
-def _posttrain() -> list[StageSpec]:
-    from posttrain.distill import STAGES as distill
-    from posttrain.reward_model import STAGES as reward_model
-    from posttrain.rl_agentic import STAGES as rl_agentic
-    from posttrain.rl_general import STAGES as rl_general
-    from posttrain.rl_reasoning import STAGES as rl_reasoning
-
-    return [*rl_reasoning, *rl_agentic, *reward_model, *rl_general, *distill]
-
-
-STAGES: list[StageSpec] = [INGEST, *_curation(), *_training(), *_posttrain()]
+STAGES: list[StageSpec] = [INGEST, *[s for s in CURATION if s.name != "ingest"], *TRAINING, *POSTTRAIN]
 STAGE_NAMES = [s.name for s in STAGES]
 BY_NAME = {s.name: s for s in STAGES}
 

@@ -2,15 +2,29 @@
 
 Plain Python: tasks/ and flows/ wrap these calls in Prefect, tests call them directly.
 
-A stage's key is sha256(stage name, stage version, its resolved config section, the run seed,
-the content digests of its parent artifacts). The store is the cache: when an artifact with
-that key is published, the stage is skipped and the artifact reused — in a new flow run, on
-another machine, after the Prefect database is gone.
+A stage's key is sha256(stage name, stage version, its resolved config section, the run seed
+where the stage reads it, the content digests of its parent artifacts, the fingerprint of the
+non-artifact files it reads, and the digest of its code). The store is the cache: when an
+artifact with that key is published, the stage is skipped and the artifact reused — in a new
+flow run, on another machine, after the Prefect database is gone.
+
+Code digest: sha256 of the AST of the module that defines the stage function (docstrings and
+comments excluded, so editing prose re-runs nothing). Code shared by many stages (model/,
+kernels/, the training loop) is not in it: a change there that alters outputs bumps the
+versions of the stages it affects. The checkpoint folder is keyed WITHOUT the code digest, so a
+stage resumed after a bug fix continues from the checkpoint the failed attempt left (its
+format is covered by `version`) and publishes under the new key.
+
+The runner knows no concrete stage: it is given the stage list (glmforge.pipeline.STAGES for
+the application, a few specs in tests).
 """
 from __future__ import annotations
 
+import ast
 import datetime as dt
+import functools
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -21,31 +35,57 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from pydantic import BaseModel
 
-from glmforge.pipeline import STAGE_NAMES, StageSpec, upstream
 from glmforge.shutdown import Preempted
-from glmforge.stage import ProgressFn, Workdir
+from glmforge.stage import ProgressFn, StageSpec, Workdir
 from glmforge.store import Lease, Manifest, Store, default_home
 
 log = logging.getLogger("glmforge")
 
 
-def stage_key(spec: StageSpec, section: BaseModel, seed: int, parents: dict[str, Manifest]) -> str:
+def stage_key(spec: StageSpec, section: BaseModel, seed: int, parents: dict[str, Manifest],
+              with_code: bool = True) -> str:
+    """The artifact key; with_code=False gives the checkpoint folder's key (see above)."""
     missing = set(spec.parents) - set(parents)
     assert not missing, f"{spec.name}: parent artifacts missing: {missing}"
     payload = {
         "stage": spec.name,
         "version": spec.version,
         "config": section.model_dump(mode="json"),
-        "seed": seed,
         "inputs": {p: parents[p].digest for p in sorted(spec.parents)},
     }
-    if spec.fingerprint is not None:
-        payload["raw_inputs"] = spec.fingerprint(section)
+    if spec.seeded:
+        payload["seed"] = seed
+    fingerprint = spec.fingerprint_fn
+    if fingerprint is not None:
+        payload["raw_inputs"] = fingerprint(section)
+    if with_code:
+        payload["code"] = code_digest(spec.run)
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
+
+
+@functools.lru_cache(maxsize=None)
+def _module_digest(path: str) -> str:
+    tree = ast.parse(Path(path).read_text())
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
+            body[0] = ast.Pass()   # a docstring is prose, not behaviour
+    return hashlib.sha256(ast.dump(tree, annotate_fields=False).encode()).hexdigest()[:16]
+
+
+def code_digest(fn: Callable[..., Any]) -> str:
+    """Digest of the source module of a stage function (docstrings and comments excluded)."""
+    fn = inspect.unwrap(fn)
+    try:
+        path = inspect.getsourcefile(fn)
+        return _module_digest(path) if path else "no-source"
+    except (OSError, TypeError):   # defined in `python -c`, a REPL, a C extension
+        return "no-source"
 
 
 @dataclass
@@ -87,11 +127,13 @@ class _CheckpointMirror:
 
 
 class Runner:
-    def __init__(self, cfg: BaseModel, store: Store, home: Path | None = None,
+    def __init__(self, cfg: BaseModel, store: Store, stages: Sequence[StageSpec], home: Path | None = None,
                  lease_ttl: float | None = None, lease_wait: float | None = None):
-        """lease_ttl / lease_wait: see stage_lease ($GLMFORGE_LEASE_TTL, 60 s;
+        """`stages`: every stage the config has a section for, in execution order (parents
+        first). lease_ttl / lease_wait: see stage_lease ($GLMFORGE_LEASE_TTL, 60 s;
         $GLMFORGE_LEASE_WAIT, 86400 s)."""
         self.cfg, self.store = cfg, store
+        self.stages = list(stages)
         self.home = Path(home) if home else default_home()
         self.seed = cfg.run.seed  # type: ignore[attr-defined]
         self.lease_ttl = lease_ttl if lease_ttl is not None else float(os.environ.get("GLMFORGE_LEASE_TTL") or 60)
@@ -112,8 +154,26 @@ class Runner:
     def key(self, spec: StageSpec, parents: dict[str, Manifest]) -> str:
         return stage_key(spec, self.section(spec), self.seed, parents)
 
-    def workdir_root(self, spec: StageSpec, key: str) -> Path:
-        return self.home / "work" / spec.name / key
+    def upstream(self, name: str) -> list[StageSpec]:
+        """The stage and everything it depends on, in execution order."""
+        by_name = {s.name: s for s in self.stages}
+        need, todo = set(), [name]
+        while todo:
+            n = todo.pop()
+            if n not in by_name:
+                raise ValueError(f"unknown stage {n!r}; stages: {', '.join(by_name)}")
+            if n not in need:
+                need.add(n)
+                todo.extend(by_name[n].parents)
+        return [s for s in self.stages if s.name in need]
+
+    def work_key(self, spec: StageSpec, parents: dict[str, Manifest]) -> str:
+        """The key of the stage's working folder and mirrored checkpoint: the artifact key
+        without the code digest, so a fixed stage resumes its checkpoint (see above)."""
+        return stage_key(spec, self.section(spec), self.seed, parents, with_code=False)
+
+    def workdir_root(self, spec: StageSpec, parents: dict[str, Manifest]) -> Path:
+        return self.home / "work" / spec.name / self.work_key(spec, parents)
 
     def run_stage(
         self, spec: StageSpec, parents: dict[str, Manifest], progress: ProgressFn | None = None
@@ -133,7 +193,7 @@ class Runner:
     def _run_unlocked(
         self, spec: StageSpec, key: str, parents: dict[str, Manifest], progress: ProgressFn | None
     ) -> StageResult:
-        root = self.workdir_root(spec, key)
+        root = self.workdir_root(spec, parents)
         out, ckpt = root / "out", root / "checkpoint"
         shutil.rmtree(out, ignore_errors=True)  # outputs are rebuilt each attempt; state lives in ckpt
         out.mkdir(parents=True)
@@ -141,7 +201,8 @@ class Runner:
         # A local checkpoint survives a crash; with a remote store it is mirrored there too, so
         # a retry on another machine resumes from it.
         remote = self.store.local_path("") is None
-        mirror = _CheckpointMirror(self.store, f"checkpoints/{spec.name}/{key}", ckpt) if remote else None
+        remote_ckpt = f"checkpoints/{spec.name}/{root.name}"
+        mirror = _CheckpointMirror(self.store, remote_ckpt, ckpt) if remote else None
         if mirror and mirror.restore():
             log.info("%s: restored checkpoint from %s", spec.name, self.store.uri)
         workdir = Workdir(
@@ -149,7 +210,7 @@ class Runner:
             checkpoint=ckpt,
             progress=progress or (lambda d, t, s: None),
             persist_checkpoint=mirror.push if mirror else (lambda: None),
-            seed=self.seed,
+            seed=self.seed if spec.seeded else None,
         )
         inputs = {p: self.store.materialize(m, self.home / "cache") for p, m in parents.items()}
         metrics = spec.run(self.section(spec), inputs, workdir)
@@ -164,7 +225,7 @@ class Runner:
         )
         shutil.rmtree(root, ignore_errors=True)
         if mirror:
-            self.store.delete_prefix(f"checkpoints/{spec.name}/{key}")
+            self.store.delete_prefix(remote_ckpt)
         return StageResult(spec.name, key, "done", manifest, self.store.artifact_uri(spec.name, key))
 
     def published_upstream(self, name: str) -> dict[str, Manifest]:
@@ -172,7 +233,7 @@ class Runner:
 
         Raises ValueError naming the first upstream stage without a published artifact."""
         found: dict[str, Manifest] = {}
-        for spec in upstream(name):
+        for spec in self.upstream(name):
             if spec.name == name:
                 break
             parents = {p: found[p] for p in spec.parents}
@@ -242,8 +303,7 @@ class RunRecord:
         rec = cls(id=uuid.uuid4().hex[:12], config=cfg.model_dump(mode="json"), source=source)
         rec.stages = [
             {"name": n, "key": None, "state": "not run", "metrics": {}, "artifact": None, "error": None}
-            for n in STAGE_NAMES
-            if n in stage_names
+            for n in stage_names
         ]
         return rec
 
@@ -257,7 +317,6 @@ class RunRecord:
                 return s
         entry = {"name": name, "key": None, "state": "not run", "metrics": {}, "artifact": None, "error": None}
         self.stages.append(entry)
-        self.stages.sort(key=lambda s: STAGE_NAMES.index(s["name"]) if s["name"] in STAGE_NAMES else 999)
         return entry
 
     def mark(self, result: StageResult) -> None:

@@ -20,6 +20,7 @@ publishes. Library code never imports Prefect.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -40,7 +41,7 @@ class Workdir:
     # Called after a stage writes a consistent checkpoint; mirrors it to the store when the
     # store is remote so another machine can resume. No-op for the local store.
     persist_checkpoint: Callable[[], None] = field(default=lambda: None)
-    seed: int = 0
+    seed: int | None = 0
 
     @classmethod
     def at(cls, root: Path, **kw: Any) -> "Workdir":
@@ -55,16 +56,47 @@ class StageFn(Protocol):
     def __call__(self, cfg: Any, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]: ...
 
 
+def resolve(ref: Any) -> Any:
+    """"package.module:attribute" -> the attribute (imported now); anything else as is."""
+    if not isinstance(ref, str):
+        return ref
+    module, sep, attr = ref.partition(":")
+    if not sep:
+        raise ValueError(f"{ref!r} is not a 'module:attribute' reference")
+    return getattr(importlib.import_module(module), attr)
+
+
 @dataclass(frozen=True)
 class StageSpec:
-    """A pipeline stage as the runner sees it. Library packages export a list of these."""
+    """A pipeline stage as the runner sees it. The registry (glmforge.pipeline) declares these.
+
+    `config` and `run` may be "module:attribute" references: a stage whose code imports torch is
+    then imported only when its config is validated or it runs, so commands that only read the
+    store (`status`, `artifacts`) never load the training stack."""
 
     name: str                       # "dedup-minhash": CLI and Prefect name
     section: str                    # "dedup_minhash": attribute of the pipeline config
-    config_cls: type                # pydantic model of the section
-    run: StageFn
+    config: type | str              # pydantic model of the section (or a reference to it)
+    runner: StageFn | str           # the stage function (or a reference to it)
     parents: tuple[str, ...] = ()   # names of the stages whose artifacts are `inputs`
     version: str = "1"              # bump when the stage's output for the same inputs changes
-    # Root stages read raw data that is not an artifact; a cheap fingerprint of it (file names,
-    # sizes, mtimes or ETags) joins the key so edited raw data is not served from cache.
-    fingerprint: Callable[[Any], str] | None = None
+    # Stages that read files that are not artifacts (raw data, eval sets, label files): a
+    # fingerprint of them (content digests, or ETags) joins the key so edits are not served
+    # from cache.
+    fingerprint: Callable[[Any], str] | str | None = None
+    # Whether the stage reads the run seed (workdir.seed): training and RL stages do; curation
+    # stages take their seeds from their own sections, so run.seed stays out of their keys and
+    # their workdir.seed is None.
+    seeded: bool = True
+
+    @property
+    def config_cls(self) -> type:
+        return resolve(self.config)
+
+    @property
+    def run(self) -> StageFn:
+        return resolve(self.runner)
+
+    @property
+    def fingerprint_fn(self) -> Callable[[Any], str] | None:
+        return resolve(self.fingerprint)

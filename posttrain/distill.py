@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_processing.tokenizer import load_tokenizer
 from glmforge import shutdown
-from glmforge.stage import StageSpec, Workdir
+from glmforge.stage import Workdir
 from model.hf import load_state
 from model.model import GLMModel, indexer_parameters
 from posttrain import gates
@@ -380,8 +380,3 @@ def plot(records: list[dict[str, Any]], png: Path, teachers: tuple[str, ...]) ->
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
-
-
-STAGE = StageSpec("distill", "distill", DistillConfig, run_distill,
-                  parents=("rl-general", "sft", "rl-reasoning", "rl-agentic", "tokenize"))
-STAGES: list[StageSpec] = [STAGE]

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -42,7 +43,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from kernels.int4 import dequantize_int4, fake_quantize_int4, int4_matmul, pack_int4, quantize_int4
+from kernels.int4 import QMAX, QMIN, dequantize_int4, fake_quantize_int4, int4_matmul, pack_int4, quantize_int4
+from kernels.int4 import int4_scales as kernels_int4_scales
 from model.config import ModelConfig
 from model.model import GLMModel
 from model.moe import Experts
@@ -130,12 +132,31 @@ def fake_quantize(w: torch.Tensor, group_size: int) -> torch.Tensor:
 _QAT_CLASSES: dict[type, type] = {}
 
 
+def fake_quantize_lsq(w: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
+    """LSQ fake quantization (Esser et al. 2019, arXiv 1902.08153; torchao's range learning):
+    w [..., in], learned scale [..., in/group_size] -> clamp(round(w / s), -8, 7) * s, where round
+    has a straight-through gradient, w gets gradient 1 inside the range and 0 outside, and s gets
+    LSQ's gradient (round(v) - v inside, -8 / 7 at the clamps) scaled by 1/sqrt(group_size * 7)."""
+    lead = w.shape[:-1]
+    wg = w.reshape(*lead, -1, group_size)
+    s = scale.unsqueeze(-1)
+    gs = 1.0 / math.sqrt(group_size * QMAX)
+    s = s * gs + (s - s * gs).detach()                   # value s, gradient scaled by gs
+    v = torch.clamp(wg / s, QMIN, QMAX)
+    q = v + (torch.round(v) - v).detach()
+    return (q * s).reshape(w.shape)
+
+
 def _fq_property(name: str) -> property:
     def get(self):
         memo = self.__dict__.get("_qat_memo")
         if memo is not None and name in memo:
             return memo[name]
-        w = fake_quantize(self._parameters[name], self._qat_group_size)
+        lsq = self.__dict__.get("_lsq_scales")
+        if lsq is not None and name in lsq:
+            w = fake_quantize_lsq(self._parameters[name], lsq[name], self._qat_group_size)
+        else:
+            w = fake_quantize(self._parameters[name], self._qat_group_size)
         if memo is not None:
             memo[name] = w
         return w
@@ -176,18 +197,51 @@ def prepare_qat(model: GLMModel, cfg: QATConfig) -> list[str]:
     return quantized_tensor_names(model, cfg)
 
 
+def enable_lsq(model: GLMModel) -> list[nn.Parameter]:
+    """Learned step sizes for a QAT-prepared model: every fake-quantized tensor gets a trainable
+    per-group scale, initialised to round-to-nearest's amax / 7.5, used by its fake quantization
+    from now on. The scales are kept outside the module's parameters (state_dict and the
+    optimizer routing are unchanged); train them with lsq_parameters(model) in an AdamW group
+    without weight decay. remove_qat(bake=True) bakes with them. convert_int4 recomputes
+    amax / 7.5 scales, so an LSQ model is exported by baking first and storing the learned
+    scales (not implemented here: lsq_scales(model) gives them). Returns the new parameters."""
+    out = []
+    for m in model.modules():
+        if not _is_qat(m):
+            continue
+        scales = {}
+        for p in _param_names(m):
+            w = m._parameters[p].detach()
+            s = kernels_int4_scales(w.reshape(-1, w.shape[-1]), m._qat_group_size).view(*w.shape[:-1], -1)
+            scales[p] = nn.Parameter(s.clone())
+            out.append(scales[p])
+        m.__dict__["_lsq_scales"] = scales
+    if not out:
+        raise ValueError("enable_lsq needs a model prepared with prepare_qat")
+    return out
+
+
+def lsq_parameters(model: GLMModel) -> list[nn.Parameter]:
+    return [s for m in model.modules() if _is_qat(m) for s in (m.__dict__.get("_lsq_scales") or {}).values()]
+
+
 @torch.no_grad()
 def remove_qat(model: GLMModel, bake: bool = False) -> None:
     """Switch fake quantization off, in place. bake=True first writes the quantized values into
-    the weights, so the plain model then computes what the INT4 model does."""
+    the weights (with the learned scales under LSQ), so the plain model then computes what the
+    INT4 model does."""
     for m in model.modules():
         if not _is_qat(m):
             continue
         if bake:
+            lsq = m.__dict__.get("_lsq_scales") or {}
             for p in _param_names(m):
-                m._parameters[p].copy_(fake_quantize(m._parameters[p], m._qat_group_size))
+                w = m._parameters[p]
+                w.copy_(fake_quantize_lsq(w, lsq[p], m._qat_group_size) if p in lsq
+                        else fake_quantize(w, m._qat_group_size))
         m.__class__ = m._qat_base
         del m._qat_group_size, m._qat_memo
+        m.__dict__.pop("_lsq_scales", None)
 
 
 def ptq_int4(model: GLMModel, cfg: QATConfig) -> GLMModel:

@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file, save_file
 
 from data_processing.tokenizer import load_tokenizer
-from glmforge.stage import StageSpec, Workdir
+from glmforge.stage import Workdir
 from model.hf import load_state, save_state
 from model.model import GLMModel, indexer_parameters
 from posttrain.chat_template import Message, encode
@@ -334,7 +334,3 @@ def plot(records: list[dict[str, Any]], png: Path, result: dict[str, Any]) -> No
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
-
-
-STAGE = StageSpec("reward-model", "reward_model", RewardModelConfig, run_reward_model, parents=("sft", "tokenize"))
-STAGES: list[StageSpec] = [STAGE]

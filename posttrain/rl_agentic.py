@@ -43,7 +43,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_processing.tokenizer import load_tokenizer
-from glmforge.stage import StageSpec, Workdir
+from glmforge.stage import Workdir
 from model.hf import load_state
 from model.model import GLMModel, indexer_parameters
 from posttrain import gates
@@ -359,7 +359,3 @@ def publish(model, inputs, out: Path, records, before, after) -> dict[str, Any]:
     keys = sorted({k for r in records for k, v in r.items() if isinstance(v, (int, float)) and k != "step"})
     metrics.write_tensorboard(records, out / "tensorboard", keys=keys)
     return result
-
-
-STAGE = StageSpec("rl-agentic", "rl_agentic", RLAgenticConfig, run_rl_agentic, parents=("rl-reasoning", "tokenize"))
-STAGES: list[StageSpec] = [STAGE]

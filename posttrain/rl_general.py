@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_processing.tokenizer import load_tokenizer
 from glmforge import shutdown
-from glmforge.stage import StageSpec, Workdir
+from glmforge.stage import Workdir
 from model.hf import load_state
 from model.model import GLMModel, indexer_parameters
 from posttrain import gates
@@ -359,8 +359,3 @@ def plot(records: list[dict[str, Any]], png: Path) -> None:
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
-
-
-STAGE = StageSpec("rl-general", "rl_general", RLGeneralConfig, run_rl_general,
-                  parents=("rl-agentic", "reward-model", "sft", "tokenize"))
-STAGES: list[StageSpec] = [STAGE]

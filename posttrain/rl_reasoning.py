@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_processing.tokenizer import load_tokenizer
 from glmforge import shutdown
-from glmforge.stage import StageSpec, Workdir
+from glmforge.stage import Workdir
 from model.hf import load_state
 from model.model import GLMModel, indexer_parameters
 from posttrain import gates
@@ -349,7 +349,3 @@ def plot_rewards(records: list[dict[str, Any]], png: Path, result: dict[str, Any
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
-
-
-STAGE = StageSpec("rl-reasoning", "rl_reasoning", RLReasoningConfig, run_rl_reasoning, parents=("sft", "tokenize"))
-STAGES: list[StageSpec] = [STAGE]

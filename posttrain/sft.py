@@ -55,7 +55,7 @@ from pydantic import Field
 
 from data_processing.packing import META, PackedDataset
 from data_processing.tokenizer import load_tokenizer
-from glmforge.stage import StageSpec, Workdir
+from glmforge.stage import Workdir
 from model.generate import generate
 from model.hf import load_state
 from model.model import GLMModel
@@ -280,5 +280,3 @@ def run_sft(cfg: SFTConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[s
 
 # GLM-5 post-trains the model that DSA continue-pretraining produced.
 BASE = "dsa-adapt"
-STAGE = StageSpec("sft", "sft", SFTConfig, run_sft, parents=(BASE, "tokenize"))
-STAGES: list[StageSpec] = [STAGE]

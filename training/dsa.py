@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from data_processing.packing import PackedDataset
 from evals import long_context
-from glmforge.stage import StageSpec, Workdir
+from glmforge.stage import Workdir
 from model.config import ModelConfig
 from model.hf import load_state, save_state
 from model.model import GLMModel
@@ -268,11 +268,3 @@ def run_adapt(cfg: DsaAdaptConfig, inputs: dict[str, Path], workdir: Workdir) ->
             "warmup_recall_after": probe.get("after", {}).get("recall"),
             "warmup_recall_sparse_rows_after": probe.get("after", {}).get("recall_sparse_rows"),
             "mix_chars_share": packed["mix_chars_share"], "retrieval_documents": packed["extra_documents"]}
-
-
-STAGES: list[StageSpec] = [
-    StageSpec("dsa-warmup", "dsa_warmup", DsaWarmupConfig, run_warmup,
-              parents=("context-3", "decontaminate", "tokenize")),
-    StageSpec("dsa-adapt", "dsa_adapt", DsaAdaptConfig, run_adapt,
-              parents=("dsa-warmup", "decontaminate", "tokenize")),
-]

@@ -28,7 +28,7 @@ from typing import Any
 
 from data_processing.packing import PackedDataset
 from data_processing.tokenizer import load_tokenizer
-from glmforge.stage import StageSpec, Workdir
+from glmforge.stage import Workdir
 from model.config import ModelConfig, preset
 from model.info import param_counts
 from training import checkpoint, metrics
@@ -171,12 +171,6 @@ def _context_run(name: str, previous: str):
     return run
 
 
-STAGES: list[StageSpec] = [
-    StageSpec("pretrain", "pretrain", PretrainConfig, run_pretrain, parents=("pack", "tokenize")),
-    StageSpec("context-1", "context_1", ContextConfig, _context_run("context-1", "pretrain"),
-              parents=("pretrain", "decontaminate", "tokenize")),
-    StageSpec("context-2", "context_2", ContextConfig, _context_run("context-2", "context-1"),
-              parents=("context-1", "decontaminate", "tokenize")),
-    StageSpec("context-3", "context_3", ContextConfig, _context_run("context-3", "context-2"),
-              parents=("context-2", "decontaminate", "tokenize")),
-]
+run_context_1 = _context_run("context-1", "pretrain")
+run_context_2 = _context_run("context-2", "context-1")
+run_context_3 = _context_run("context-3", "context-2")

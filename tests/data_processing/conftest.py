@@ -39,6 +39,15 @@ def write_docs(directory: Path, docs: list[Document], shard_size: int = 1000) ->
     return directory
 
 
+@pytest.fixture(scope="session")
+def tiny():
+    """The tiny preset as the pipeline validates it: configs/tiny.yaml is the one home of its
+    curation settings. Session-scoped: load_config builds the model from the stage registry."""
+    from glmforge.config import load_config
+
+    return load_config("tiny")
+
+
 @pytest.fixture
 def workdir(tmp_path: Path) -> Workdir:
     return Workdir.at(tmp_path / "work")

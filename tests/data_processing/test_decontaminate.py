@@ -7,7 +7,7 @@ import json
 import pytest
 
 from data_processing.common import SAMPLES_DIR, TextSource, normalized_words
-from data_processing.decontaminate import DecontaminateConfig, Decontaminator, EvalSet, default_evals, eval_texts, run
+from data_processing.decontaminate import DecontaminateConfig, Decontaminator, EvalSet, eval_texts, run
 from data_processing.document import Document, read_documents
 
 from .conftest import gsm8k_records, stdlib_docs, write_docs
@@ -30,7 +30,7 @@ def gsm8k_test(i: int) -> dict:
     return json.loads((SAMPLES_DIR / "gsm8k" / "test.jsonl").read_text().splitlines()[i])
 
 
-def test_planted_contamination_removed_clean_kept(tmp_path, workdir):
+def test_planted_contamination_removed_clean_kept(tmp_path, workdir, tiny):
     clean = stdlib_docs(30)
     g = gsm8k_test(700)
     held = gsm8k_records(5)[3]  # a GSM8K train line SFT holds out
@@ -53,7 +53,7 @@ def test_planted_contamination_removed_clean_kept(tmp_path, workdir):
     train = gsm8k_records(1000)[999]
     kept_train = Document("gsm8k-train-1000", train["question"] + "\n" + train["answer"], "web")
     src = write_docs(tmp_path / "in", clean + planted + [near, kept_train])
-    m = run(DecontaminateConfig(evals=default_evals()), {"dedup-semantic": src}, workdir)
+    m = run(tiny.decontaminate, {"dedup-semantic": src}, workdir)
     removed = {d.id: d.metadata["removed_reason"] for d in read_documents(workdir.out / "removed")}
     assert removed == {
         "leak-gsm8k": "contaminated:gsm8k",
@@ -69,10 +69,10 @@ def test_planted_contamination_removed_clean_kept(tmp_path, workdir):
     assert m["eval_examples"]["mbpp"] == 500 and m["eval_examples"]["mbpp_nontest"] == 474
 
 
-def test_mbpp_split_by_task_id(tmp_path, workdir):
+def test_mbpp_split_by_task_id(tmp_path, workdir, tiny):
     """`mbpp` holds the test ids 11-510 only: a training-id task (601-974) is not MBPP-test
-    contamination; the default config still removes it as `mbpp_nontest` (all MBPP may be evaluated)."""
-    evals = {e.name: e for e in default_evals()}
+    contamination; the tiny preset still removes it as `mbpp_nontest` (all MBPP may be evaluated)."""
+    evals = {e.name: e for e in tiny.decontaminate.evals}
     assert evals["mbpp"].ids == ((11, 510),)
     test_texts = eval_texts(evals["mbpp"])
     assert len(test_texts) == 500 and test_texts[0].startswith(mbpp_task(11)["text"])
@@ -82,7 +82,7 @@ def test_mbpp_split_by_task_id(tmp_path, workdir):
     d = Decontaminator({"mbpp": test_texts})
     assert d.keep(docs[0]) is True and d.keep(docs[1]) == (False, "contaminated:mbpp")
     src = write_docs(tmp_path / "in", docs)
-    run(DecontaminateConfig(evals=default_evals()), {"dedup-semantic": src}, workdir)
+    run(tiny.decontaminate, {"dedup-semantic": src}, workdir)
     removed = {d.id: d.metadata["removed_reason"] for d in read_documents(workdir.out / "removed")}
     assert removed == {"mbpp-train-700": "contaminated:mbpp_nontest", "mbpp-test-11": "contaminated:mbpp"}
 
@@ -117,8 +117,8 @@ def test_short_eval_examples_match_whole():
     assert d.keep(Document("z", "def add(a, b):\n    return a + b\n")) is True  # 4-word example: too generic, ignored
 
 
-def test_config_errors():
+def test_config_errors(tiny):
     with pytest.raises(ValueError, match="at least one"):
         DecontaminateConfig(evals=())
     with pytest.raises(ValueError, match="ngram"):
-        DecontaminateConfig(evals=default_evals(), ngram=1)
+        DecontaminateConfig(evals=tiny.decontaminate.evals, ngram=1)

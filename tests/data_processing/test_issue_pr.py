@@ -200,11 +200,9 @@ def test_issue_pr_stage_links_skips_and_quarantines(tmp_path, workdir):
     assert len(docs) == 6 and all(d.source == "issue-pr" and "Patch:\n" in d.text for d in docs)
 
 
-def test_real_exports_tiny_preset(workdir):
+def test_real_exports_tiny_preset(workdir, tiny):
     """The shipped exports: 51 PR bodies in the hf file say fix/close/resolve #N with N present."""
-    from data_processing.issue_pr import tiny_defaults
-
-    m = run(tiny_defaults(), {}, workdir)
+    m = run(tiny.issue_pr, {}, workdir)
     assert 40 <= m["pairs"] <= 80
     assert m["skipped_by_reason"]["unmerged"] > 100 and m["quarantined"] == 0
 

@@ -7,13 +7,13 @@ import time
 from data_processing.common import SAMPLES_DIR
 from data_processing.document import Document, read_documents
 from data_processing.packing import PackedDataset
-from data_processing.stages import STAGES, STEPS, tiny_defaults
+from data_processing.stages import STAGES, STEPS
 from glmforge.stage import Workdir
 
 from .conftest import gsm8k_records, stdlib_docs, write_docs
 
 
-def test_registry_order_and_parents():
+def test_registry_order_and_parents(tiny):
     names = [s.name for s in STAGES]
     assert names == ["quality", "dedup-exact", "dedup-minhash", "dedup-semantic", "issue-pr", "decontaminate", "tokenize", "pack"]
     assert STEPS["decontaminate"].parents == ("dedup-semantic", "issue-pr")
@@ -22,21 +22,20 @@ def test_registry_order_and_parents():
     for s in STAGES:  # parents come first
         assert set(s.parents) <= seen, s.name
         seen.add(s.name)
-    cfgs = tiny_defaults()
     for s in STAGES:
-        cfg = cfgs[s.section]
+        cfg = getattr(tiny, s.section)
         assert isinstance(cfg, s.config_cls)
-        # what the lead writes to configs/tiny.yaml must load back
+        # the runner hashes the JSON dump into the stage key: it must load back to the same config
         assert s.config_cls.model_validate(json.loads(cfg.model_dump_json())) == cfg
 
 
-def test_tiny_chain_end_to_end(tmp_path):
+def test_tiny_chain_end_to_end(tmp_path, tiny):
     docs = stdlib_docs(80) + [Document(f"gsm8k-{i:04d}", r["question"] + "\n" + r["answer"], "gsm8k") for i, r in enumerate(gsm8k_records(400))]
     docs.append(Document("copy", docs[5].text, "stdlib"))  # an exact duplicate
     test_q = json.loads((SAMPLES_DIR / "gsm8k" / "test.jsonl").read_text().splitlines()[5])
     docs.append(Document("gsm8k-test-5", test_q["question"] + "\n" + test_q["answer"], "web"))  # an eval leak
     dirs = {"ingest": write_docs(tmp_path / "ingest", docs, shard_size=200)}
-    cfgs = tiny_defaults()
+    cfgs = {s.section: getattr(tiny, s.section) for s in STAGES}
     cfgs["tokenize"] = cfgs["tokenize"].model_copy(update={"vocab_size": 2048})
     metrics = {}
     t0 = time.time()

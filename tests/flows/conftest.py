@@ -51,7 +51,8 @@ FAST: list[str] = [
 class TinyRun:
     home: Path            # GLMFORGE_HOME of the run (its store is home/store)
     run_id: str
-    keys: dict[str, str]  # stage -> key
+    keys: dict[str, str]  # stage -> artifact key
+    work_keys: dict[str, str]  # stage -> key of its working folder and mirrored checkpoint
     seconds: float
 
 
@@ -65,11 +66,12 @@ def tiny_run(tmp_path_factory) -> TinyRun:
 
     home = tmp_path_factory.mktemp("tiny-run")
     cfg = load_config("tiny", None, FAST)
-    runner = Runner(cfg, LocalStore(home / "store"), home=home)
+    runner = Runner(cfg, LocalStore(home / "store"), STAGES, home=home)
     record = RunRecord.new(cfg, {"preset": "tiny", "config_file": None, "overrides": FAST, "until": None},
                            [s.name for s in STAGES])
     start = time.monotonic()
     results = execute(runner, STAGES, record)
     took = time.monotonic() - start
     print(f"\ntiny_run: {len(results)} stages in {took:.0f} s")
-    return TinyRun(home, record.id, {n: r.key for n, r in results.items()}, took)
+    work_keys = {s.name: runner.work_key(s, {p: results[p].manifest for p in s.parents}) for s in STAGES}
+    return TinyRun(home, record.id, {n: r.key for n, r in results.items()}, work_keys, took)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from glmforge.pipeline import STAGE_NAMES, upstream
+from glmforge.pipeline import STAGES, STAGE_NAMES, upstream
 from tests.flows.conftest import FAST
 
 REPO = Path(__file__).resolve().parents[2]
@@ -141,13 +141,13 @@ def test_sigkill_run_in_pretrain_then_cli_resume_is_bit_identical(where, tiny_ru
     from glmforge.store import open_store
 
     # a complete checkpoint: `latest` is written last (and, on S3, mirrored last)
-    latest = f"checkpoints/pretrain/{tiny_run.keys['pretrain']}/latest"
+    latest = f"checkpoints/pretrain/{tiny_run.work_keys['pretrain']}/latest"
     deadline, seen, st = time.monotonic() + 600, None, open_store(uri)
     while time.monotonic() < deadline and proc.poll() is None:
         try:
             if where == "s3":
                 seen = st.get_bytes(latest).decode()
-            elif (home / "work" / "pretrain" / tiny_run.keys["pretrain"] / "checkpoint" / "latest").exists():
+            elif (home / "work" / "pretrain" / tiny_run.work_keys["pretrain"] / "checkpoint" / "latest").exists():
                 seen = "local"
         except FileNotFoundError:
             pass
@@ -209,7 +209,7 @@ def test_transient_error_is_retried_by_prefect_and_succeeds(prefect_server, tmp_
 
     spec = StageSpec("flaky", "run", type(load_config("tiny").run), flaky)
     cfg = load_config("tiny")
-    runner = Runner(cfg, LocalStore(tmp_path / "store"), home=tmp_path / "home")
+    runner = Runner(cfg, LocalStore(tmp_path / "store"), STAGES, home=tmp_path / "home")
 
     @flow
     def one_stage():

@@ -57,7 +57,7 @@ def test_missing_homes_created_then_cached_run_skips_prefect(tmp_path):
 def test_record_if_cached_needs_every_stage(tmp_path, monkeypatch):
     from glmforge.cached_run import record_if_cached
     from glmforge.config import load_config
-    from glmforge.pipeline import stages_until
+    from glmforge.pipeline import STAGES, stages_until
     from glmforge.runner import Runner, RunRecord, execute
     from glmforge.store import LocalStore
 
@@ -68,7 +68,7 @@ def test_record_if_cached_needs_every_stage(tmp_path, monkeypatch):
     assert record_if_cached(cfg, store, stages_until("quality"), source) is None
     assert RunRecord.load(store) is None  # nothing recorded when a stage is left to run
 
-    runner = Runner(cfg, store)
+    runner = Runner(cfg, store, STAGES)
     ran = execute(runner, stages_until("ingest"), RunRecord.new(cfg, source, ["ingest"]))
     assert record_if_cached(cfg, store, stages_until("quality"), source) is None  # quality not published
     rec = record_if_cached(cfg, store, stages_until("ingest"), source)

@@ -8,8 +8,8 @@ import os
 import pytest
 
 from glmforge.config import load_config
-from glmforge.pipeline import get_stage
-from glmforge.runner import Runner, RunRecord, execute, stage_key
+from glmforge.pipeline import STAGE_NAMES, STAGES, get_stage
+from glmforge.runner import Runner, RunRecord, code_digest, execute, stage_key
 from glmforge.store import LocalStore, Manifest
 
 
@@ -26,7 +26,7 @@ def _cfg(jsonl, *extra):
 
 
 def _runner(tmp_path, cfg):
-    return Runner(cfg, LocalStore(tmp_path / "store"), home=tmp_path / "home")
+    return Runner(cfg, LocalStore(tmp_path / "store"), STAGES, home=tmp_path / "home")
 
 
 def test_key_changes_one_field_at_a_time(jsonl):
@@ -35,10 +35,46 @@ def test_key_changes_one_field_at_a_time(jsonl):
     k = stage_key(spec, base.ingest, base.run.seed, {})
     assert stage_key(spec, base.ingest, base.run.seed, {}) == k
     assert stage_key(spec, _cfg(jsonl, "ingest.shard_size=11").ingest, 0, {}) != stage_key(spec, base.ingest, 0, {})
-    assert stage_key(spec, base.ingest, base.run.seed + 1, {}) != k
     assert stage_key(dataclasses.replace(spec, version="999"), base.ingest, base.run.seed, {}) != k
     jsonl.write_text(jsonl.read_text() + '{"text": "one more"}\n')  # raw data changed
     assert stage_key(spec, base.ingest, base.run.seed, {}) != k
+
+
+def test_run_seed_is_in_the_keys_of_the_stages_that_read_it_only():
+    """The seed rule: curation stages take their seeds from their own sections (in their keys);
+    training and RL stages read run.seed, so it is in theirs."""
+    cfg = load_config("tiny")
+    parents = {p: Manifest(p, "k", "d", files=[]) for s in STAGES for p in s.parents}
+    changed = {s.name for s in STAGES
+               if stage_key(s, getattr(cfg, s.section), 0, parents, with_code=False)
+               != stage_key(s, getattr(cfg, s.section), 1, parents, with_code=False)}
+    curation = {"ingest", "quality", "dedup-exact", "dedup-minhash", "dedup-semantic", "issue-pr",
+                "decontaminate", "tokenize", "pack"}
+    assert changed == set(STAGE_NAMES) - curation
+    assert not any(get_stage(n).seeded for n in curation)
+
+
+def test_the_key_covers_the_stage_code_but_not_its_prose(tmp_path, jsonl, monkeypatch):
+    import importlib
+    import sys
+
+    for i, body in enumerate(['"""one"""\ndef run(cfg, inputs, wd):\n    return {"x": 1}\n',
+                              '"""two: docs edited"""\ndef run(cfg, inputs, wd):  # comment\n    return {"x": 1}\n',
+                              '"""two"""\ndef run(cfg, inputs, wd):\n    return {"x": 2}\n']):
+        (tmp_path / f"stage_mod_{i}.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    runs = [importlib.import_module(f"stage_mod_{i}").run for i in range(3)]
+    assert code_digest(runs[0]) == code_digest(runs[1]) != code_digest(runs[2])
+    cfg = _cfg(jsonl)
+    spec = get_stage("ingest")
+    keys = [stage_key(dataclasses.replace(spec, runner=r), cfg.ingest, 0, {}) for r in runs]
+    assert keys[0] == keys[1] != keys[2]
+    # the checkpoint folder does not follow the code: a fixed stage resumes its checkpoint
+    runner = _runner(tmp_path, cfg)
+    roots = {runner.workdir_root(dataclasses.replace(spec, runner=r), {}) for r in runs}
+    assert len(roots) == 1
+    for i in range(3):
+        sys.modules.pop(f"stage_mod_{i}", None)
 
 
 def test_key_depends_on_parent_digest(jsonl):
@@ -55,13 +91,13 @@ def test_second_run_is_cached_and_does_no_work(tmp_path, jsonl, monkeypatch):
     cfg = _cfg(jsonl)
     calls = []
     spec = get_stage("ingest")
-    counting = dataclasses.replace(spec, run=lambda *a: calls.append(1) or spec.run(*a))
+    counting = dataclasses.replace(spec, runner=lambda *a: calls.append(1) or spec.run(*a))
     first = _runner(tmp_path, cfg).run_stage(counting, {})
     second = _runner(tmp_path, cfg).run_stage(counting, {})  # a new runner: nothing in memory
     assert (first.state, second.state, len(calls)) == ("done", "cached", 1)
     assert first.manifest.digest == second.manifest.digest
     assert first.manifest.metrics["documents"] == 50
-    assert not (tmp_path / "home" / "work" / "ingest" / first.key).exists()  # workdir cleaned up
+    assert not _runner(tmp_path, cfg).workdir_root(spec, {}).exists()  # workdir cleaned up
 
 
 def test_failed_publish_leaves_no_artifact_and_retry_succeeds(tmp_path, jsonl, monkeypatch):
@@ -89,7 +125,7 @@ def test_execute_records_failure_and_status(tmp_path, jsonl):
     cfg = _cfg(jsonl)
     runner = _runner(tmp_path, cfg)
     spec = get_stage("ingest")
-    boom = dataclasses.replace(spec, run=lambda *a: (_ for _ in ()).throw(RuntimeError("disk on fire")))
+    boom = dataclasses.replace(spec, runner=lambda *a: (_ for _ in ()).throw(RuntimeError("disk on fire")))
     record = RunRecord.new(cfg, {"preset": "tiny"}, ["ingest"])
     with pytest.raises(RuntimeError):
         execute(runner, [boom], record)
@@ -125,10 +161,10 @@ def test_remote_store_mirrors_checkpoint_and_resumes_elsewhere(tmp_path, jsonl, 
             raise KeyboardInterrupt("machine lost")
 
     monkeypatch.setattr(ingest, "_save_cursor", crash_on_third)
-    first = Runner(cfg, store, home=tmp_path / "machine-a")
+    first = Runner(cfg, store, STAGES, home=tmp_path / "machine-a")
     with pytest.raises(KeyboardInterrupt):
         first.run_stage(get_stage("ingest"), {})
-    key = first.key(get_stage("ingest"), {})
+    key = first.work_key(get_stage("ingest"), {})
     assert store.list(f"checkpoints/ingest/{key}/cursor.json")
     monkeypatch.setattr(ingest, "_save_cursor", real)
 
@@ -138,11 +174,11 @@ def test_remote_store_mirrors_checkpoint_and_resumes_elsewhere(tmp_path, jsonl, 
         seen.append(json.loads((wd.checkpoint / "cursor.json").read_text())["shard"])
         return spec.run(cfg_, inputs, wd)
 
-    result = Runner(cfg, store, home=tmp_path / "machine-b").run_stage(dataclasses.replace(spec, run=spy), {})
+    result = Runner(cfg, store, STAGES, home=tmp_path / "machine-b").run_stage(dataclasses.replace(spec, runner=spy), {})
     # The third checkpoint died before it was mirrored: machine b continues from the second.
     assert seen == [2] and result.manifest.metrics["documents"] == 50
     assert store.list(f"checkpoints/ingest/{key}") == []  # cleaned after publishing
-    clean = Runner(cfg, LocalStore(tmp_path / "other"), home=tmp_path / "c").run_stage(spec, {})
+    clean = Runner(cfg, LocalStore(tmp_path / "other"), STAGES, home=tmp_path / "c").run_stage(spec, {})
     assert clean.manifest.digest == result.manifest.digest
 
 

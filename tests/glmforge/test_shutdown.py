@@ -19,7 +19,7 @@ import pytest
 
 from glmforge import shutdown
 from glmforge.config import load_config
-from glmforge.pipeline import get_stage
+from glmforge.pipeline import STAGES, get_stage
 from glmforge.runner import Heartbeat, Runner, RunRecord, execute
 from glmforge.store import open_store
 
@@ -173,7 +173,7 @@ def test_pod_grace_period_follows_the_config():
 @pytest.fixture
 def runner(tmp_path):
     cfg = load_config("tiny", None, None)
-    return Runner(cfg, open_store(str(tmp_path / "store")), home=tmp_path / "home")
+    return Runner(cfg, open_store(str(tmp_path / "store")), STAGES, home=tmp_path / "home")
 
 
 @pytest.mark.parametrize("error, state", [(KeyboardInterrupt("stopped by SIGTERM"), "interrupted"),
@@ -342,7 +342,7 @@ def test_a_preempted_task_ends_failed_preempted_without_an_in_process_retry(pref
         calls.append(1)
         raise shutdown.Preempted("training stopped by SIGTERM: checkpoint at step 3 of 9 written")
 
-    spec = dataclasses.replace(get_stage("ingest"), run=preempted_stage)
+    spec = dataclasses.replace(get_stage("ingest"), runner=preempted_stage)
     record = RunRecord.new(runner.cfg, {}, ["ingest"])
 
     @flow

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from glmforge.config import load_config
-from glmforge.pipeline import get_stage
+from glmforge.pipeline import STAGES, get_stage
 from glmforge.runner import Runner
 from glmforge.store import (
     CorruptArtifactError, Lease, LeaseTimeout, LocalStore, S3Store, StoreUnavailableError, artifact_prefix,
@@ -40,7 +40,7 @@ def _cfg(jsonl):
 
 def _clean_digest(tmp_path, cfg) -> str:
     """The artifact an undisturbed run publishes."""
-    return Runner(cfg, LocalStore(tmp_path / "clean"), home=tmp_path / "clean-home").run_stage(get_stage("ingest"), {}).manifest.digest
+    return Runner(cfg, LocalStore(tmp_path / "clean"), STAGES, home=tmp_path / "clean-home").run_stage(get_stage("ingest"), {}).manifest.digest
 
 
 def _fast_s3(bucket: str) -> S3Store:
@@ -61,7 +61,7 @@ def test_s3_stopped_mid_publish_then_retry_lands_complete_artifact(tmp_path, jso
     server, bucket = seaweed_own
     cfg = _cfg(jsonl)
     store = _fast_s3(bucket)
-    runner = Runner(cfg, store, home=tmp_path / "home")
+    runner = Runner(cfg, store, STAGES, home=tmp_path / "home")
     key = runner.key(get_stage("ingest"), {})
     real_put = S3Store.put_file
     uploaded: list[str] = []
@@ -133,11 +133,12 @@ def test_s3_stopped_mid_checkpoint_mirror_resumes_elsewhere(tmp_path, jsonl, sea
 
     monkeypatch.setattr(S3Store, "put_file", stop_mid_third_push)
     with pytest.raises(StoreUnavailableError, match="checkpoints/ingest/"):
-        Runner(cfg, store, home=tmp_path / "machine-a").run_stage(spec, {})
+        Runner(cfg, store, STAGES, home=tmp_path / "machine-a").run_stage(spec, {})
     monkeypatch.setattr(S3Store, "put_file", real_put)
     assert mirrored.count("cursor.json") == 1 and mirrored[-1].startswith("part-00001"), mirrored
     server.start()
-    key = Runner(cfg, store).key(spec, {})
+    runner = Runner(cfg, store, STAGES)
+    key = runner.key(spec, {})
     assert store.manifest("ingest", key) is None
 
     seen = []
@@ -146,11 +147,11 @@ def test_s3_stopped_mid_checkpoint_mirror_resumes_elsewhere(tmp_path, jsonl, sea
         seen.append(json.loads((wd.checkpoint / "cursor.json").read_text())["shard"])
         return spec.run(cfg_, inputs, wd)
 
-    result = Runner(cfg, store, home=tmp_path / "machine-b").run_stage(dataclasses.replace(spec, run=spy), {})
+    result = Runner(cfg, store, STAGES, home=tmp_path / "machine-b").run_stage(dataclasses.replace(spec, runner=spy), {})
     assert seen == [1]  # the last cursor the store got: one shard done
     assert result.manifest.digest == _clean_digest(tmp_path, cfg)
     store.verify(result.manifest)
-    assert store.list(f"checkpoints/ingest/{key}") == []
+    assert store.list(f"checkpoints/ingest/{runner.work_key(spec, {})}") == []
 
 
 def test_s3_store_timeouts_are_configurable(monkeypatch):
@@ -341,10 +342,10 @@ def test_two_runners_do_not_run_a_stage_twice(tmp_path, jsonl, store):
             spans.append((t0, time.monotonic()))
         return out
 
-    slow_spec = dataclasses.replace(spec, run=slow)
+    slow_spec = dataclasses.replace(spec, runner=slow)
 
     def go(name):
-        results[name] = Runner(cfg, store, home=tmp_path / name, lease_ttl=5).run_stage(slow_spec, {})
+        results[name] = Runner(cfg, store, STAGES, home=tmp_path / name, lease_ttl=5).run_stage(slow_spec, {})
 
     threads = [threading.Thread(target=go, args=(n,)) for n in ("a", "b")]
     [t.start() for t in threads]
@@ -357,7 +358,7 @@ def test_two_runners_do_not_run_a_stage_twice(tmp_path, jsonl, store):
 _PROC = textwrap.dedent("""
     import dataclasses, json, os, sys, time
     from glmforge.config import load_config
-    from glmforge.pipeline import get_stage
+    from glmforge.pipeline import STAGES, get_stage
     from glmforge.runner import Runner
     from glmforge.store import LocalStore
     jsonl, store, home, spans, sleep = sys.argv[1:6]
@@ -372,7 +373,7 @@ _PROC = textwrap.dedent("""
             f.write(json.dumps({"pid": os.getpid(), "end": time.time()}) + "\\n")
         return out
     cfg = load_config("tiny", overrides=[f"ingest.sources=[{{name: raw, path: '{jsonl}'}}]", "ingest.shard_size=10"])
-    r = Runner(cfg, LocalStore(store), home=home).run_stage(dataclasses.replace(spec, run=slow), {})
+    r = Runner(cfg, LocalStore(store), STAGES, home=home).run_stage(dataclasses.replace(spec, runner=slow), {})
     print("STATE", r.state, flush=True)
 """)
 
@@ -429,7 +430,7 @@ def test_corrupted_byte_is_refused_by_every_reader(tmp_path, jsonl, store, monke
     from glmforge.cli import app
 
     cfg = _cfg(jsonl)
-    runner = Runner(cfg, store, home=tmp_path / "home")
+    runner = Runner(cfg, store, STAGES, home=tmp_path / "home")
     m = runner.run_stage(get_stage("ingest"), {}).manifest
     if isinstance(store, S3Store):  # a verified copy in the cache from before the damage
         store.materialize(m, tmp_path / "home" / "cache")
@@ -447,13 +448,13 @@ def test_corrupted_byte_is_refused_by_every_reader(tmp_path, jsonl, store, monke
     # The next stage reads it through the runner: refused, nothing published for it.
     child = get_stage("quality")
     with pytest.raises(CorruptArtifactError, match=name):
-        Runner(cfg, store, home=tmp_path / "home2").run_stage(child, {"ingest": m})
+        Runner(cfg, store, STAGES, home=tmp_path / "home2").run_stage(child, {"ingest": m})
     assert [a.stage for a in store.artifacts()] == ["ingest"]
 
 
 def test_corrupted_cache_copy_is_fetched_again(tmp_path, jsonl, s3_env):
     store = S3Store(f"s3://{s3_env}/pipe")
-    m = Runner(_cfg(jsonl), store, home=tmp_path / "home").run_stage(get_stage("ingest"), {}).manifest
+    m = Runner(_cfg(jsonl), store, STAGES, home=tmp_path / "home").run_stage(get_stage("ingest"), {}).manifest
     local = store.materialize(m, tmp_path / "cache")
     f = max(m.files, key=lambda e: e.size)
     data = bytearray((local / f.path).read_bytes())

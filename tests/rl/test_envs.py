@@ -17,7 +17,6 @@ import pytest
 from posttrain.chat_template import EOS, OBSERVATION, Message, ToolCall, assistant_text
 from rl.agent import run_group
 from rl.envs import ENVIRONMENTS, make_env, tasks_for
-from rl.envs import search as search_env
 from rl.envs import swe_repair, terminal
 from rl.envs.context import ELIDED, TemplateTokenCounter, context_manager, manage_context
 from rl.rollout import SamplingParams

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import time
 
-from model.hf import save_state
 from rl import arithmetic
 from rl.orchestrator import WorkerPool
 from rl.sample import Task

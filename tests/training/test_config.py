@@ -12,7 +12,8 @@ from training.engine import ds_config
 from training.launch import command
 from training.longdata import mix_weight
 from training.schedule import lr_factor
-from training.stages import STAGES, model_config_for
+from glmforge.pipeline import TRAINING
+from training.stages import model_config_for
 
 
 @pytest.mark.parametrize("zero", [1, 2])
@@ -110,12 +111,12 @@ def test_mix_weights_favour_long_code_and_issue_pr():
 
 
 def test_stage_registry():
-    by = {s.name: s for s in STAGES}
-    assert list(by) == ["pretrain", "context-1", "context-2", "context-3"]
+    by = {s.name: s for s in TRAINING}
+    assert list(by)[:4] == ["pretrain", "context-1", "context-2", "context-3"]
     assert by["pretrain"].parents == ("pack", "tokenize") and by["pretrain"].config_cls is PretrainConfig
     assert by["context-2"].parents == ("context-1", "decontaminate", "tokenize")
     assert all(by[f"context-{k}"].config_cls is ContextConfig for k in (1, 2, 3))
-    assert len({s.section for s in STAGES}) == 4
+    assert by["context-3"].run.__name__ == "run" and by["context-3"].run is not by["context-2"].run
 
 
 def test_long_context_packing_keeps_the_favoured_sources_under_a_cap(packed, tmp_path):

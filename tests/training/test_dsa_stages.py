@@ -24,7 +24,8 @@ from model.model import GLMModel
 from tests.training.conftest import MODEL_OVERRIDES, stdlib_docs
 from training import checkpoint, dsa, metrics
 from training.config import ContextConfig
-from training.dsa import (STAGES, DsaAdaptConfig, DsaDataConfig, DsaWarmupConfig, LongEvalConfig,
+from glmforge.pipeline import TRAINING
+from training.dsa import (DsaAdaptConfig, DsaDataConfig, DsaWarmupConfig, LongEvalConfig,
                           run_adapt, run_warmup)
 from training.dsa_loss import SparseAdaptation
 from training.objectives import DsaSparseSpec
@@ -184,7 +185,7 @@ def test_configs_refuse_what_cannot_work():
         DsaAdaptConfig(baselines=("full", "dense"))
     with pytest.raises(ValueError, match="indexer_loss_coeff"):
         DsaSparseSpec(indexer_loss_coeff=0.0)
-    assert [(s.name, s.section, s.parents) for s in STAGES] == [
+    assert [(s.name, s.section, s.parents) for s in TRAINING[4:]] == [
         ("dsa-warmup", "dsa_warmup", ("context-3", "decontaminate", "tokenize")),
         ("dsa-adapt", "dsa_adapt", ("dsa-warmup", "decontaminate", "tokenize"))]
 

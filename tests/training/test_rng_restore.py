@@ -13,7 +13,6 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 from safetensors.torch import load_file
 

@@ -175,7 +175,7 @@ def test_context_phase_continues_from_pretrain_on_packed_long_documents(referenc
 
     from data_processing.document import Document, ShardWriter
     from training.config import ContextConfig
-    from training.stages import STAGES
+    from glmforge.pipeline import get_stage
 
     docs = stdlib_docs(40)
     # a "repository" of three modules and issue-PR threads: the mix's favoured sources
@@ -184,7 +184,7 @@ def test_context_phase_continues_from_pretrain_on_packed_long_documents(referenc
     w.write_all(repo + docs[3:])
     w.close()
     ref_wd, ref_result, _ = reference
-    context_1 = next(s for s in STAGES if s.name == "context-1")
+    context_1 = get_stage("context-1")
     cfg = ContextConfig(seq_len=128, rope_theta=40000.0, max_steps=6, checkpoint_every=3, micro_batch_size=2,
                         lr=0.01, eval_sequences=16, launch={"nproc_per_node": 1},
                         mix={"sources": {"issue-pr": 3.0}, "long_chars": 8000, "long_weight": 2.0})

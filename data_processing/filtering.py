@@ -1,0 +1,102 @@
+"""The keep-or-drop base every curation filter step shares (datatrove's BaseFilter shape).
+
+A step only decides, per document: `True` (keep) or `(False, reason)` (drop, and why). Steps
+that must see the whole corpus first (MinHash, SemDeDup) decide after their global pass; the
+others decide one document at a time. `write_decisions` does the rest the same way for every
+step: kept documents go to out/ shards, dropped ones to out/removed/ shards with
+metadata removed_reason / removed_by (so nothing is lost silently), and the drop reasons are
+counted. Malformed input records never reach a decision: common.iter_input_documents raises
+naming the shard and document.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from data_processing.document import Document, ShardWriter
+from glmforge.stage import ProgressFn
+
+Verdict = bool | tuple[bool, str]  # True, or (False, reason)
+REMOVED_DIR = "removed"
+PROGRESS_EVERY = 1000
+
+
+def removed_metadata(metadata: dict[str, Any], reason: str, step: str) -> dict[str, Any]:
+    """A dropped document's metadata: its own plus why and by which step it was dropped."""
+    return {**metadata, "removed_reason": reason, "removed_by": step}
+
+
+def count_metrics(documents_in: int, kept: int) -> dict[str, Any]:
+    """The count metrics every filter step reports (status and README read these names)."""
+    removed = documents_in - kept
+    return {
+        "documents_in": documents_in,
+        "kept": kept,
+        "removed": removed,
+        "removal_rate": removed / documents_in if documents_in else 0.0,
+    }
+
+
+@dataclass
+class FilterCounts:
+    documents_in: int = 0
+    kept: int = 0
+    reasons: Counter = field(default_factory=Counter)  # drop reason -> documents
+
+    def metrics(self) -> dict[str, Any]:
+        return count_metrics(self.documents_in, self.kept)
+
+
+def _drop_reason(verdict: Verdict) -> str | None:
+    """None to keep, else the reason; anything but True / (False, reason) is a bug in the step."""
+    if verdict is True:
+        return None
+    if isinstance(verdict, tuple) and len(verdict) == 2 and verdict[0] is False and isinstance(verdict[1], str) and verdict[1]:
+        return verdict[1]
+    raise TypeError(f"a filter verdict is True or (False, reason), got {verdict!r}")
+
+
+def write_decisions(
+    decided: Iterable[tuple[Document, Verdict]],
+    out: Path,
+    step: str,
+    shard_size: int,
+    progress: ProgressFn | None = None,
+    total: int = 0,
+) -> FilterCounts:
+    """Write (document, verdict) pairs in order: kept ones to out/ shards, dropped ones to
+    out/removed/ shards. Both directories are created even when empty."""
+    kept_writer = ShardWriter(Path(out), shard_size)
+    removed_writer = ShardWriter(Path(out) / REMOVED_DIR, shard_size)
+    counts = FilterCounts()
+    for doc, verdict in decided:
+        counts.documents_in += 1
+        reason = _drop_reason(verdict)
+        if reason is None:
+            kept_writer.write(doc)
+            counts.kept += 1
+        else:
+            removed_writer.write(Document(doc.id, doc.text, doc.source, removed_metadata(doc.metadata, reason, step)))
+            counts.reasons[reason] += 1
+        if progress is not None and counts.documents_in % PROGRESS_EVERY == 0:
+            progress(counts.documents_in, total, step)
+    kept_writer.close()
+    removed_writer.close()
+    if progress is not None:
+        progress(counts.documents_in, total or counts.documents_in, step)
+    return counts
+
+
+def filter_documents(
+    docs: Iterable[Document],
+    keep: Callable[[Document], Verdict],
+    out: Path,
+    step: str,
+    shard_size: int,
+    progress: ProgressFn | None = None,
+    total: int = 0,
+) -> FilterCounts:
+    """write_decisions for a step that decides one document at a time."""
+    return write_decisions(((d, keep(d)) for d in docs), out, step, shard_size, progress, total)
