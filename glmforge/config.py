@@ -7,8 +7,6 @@ block, so a resolved config can be written into run records, manifests and Prefe
 """
 from __future__ import annotations
 
-import hashlib
-import json
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,6 @@ class ConfigError(ValueError):
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = "run"
     seed: int = 0
 
 
@@ -136,17 +133,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def load_config(
-    preset: str | None = None,
-    config_file: str | Path | None = None,
-    overrides: list[str] | None = None,
-) -> BaseModel:
-    """Resolve preset or file plus overrides into a validated PipelineConfig."""
-    if preset and config_file:
-        raise ConfigError("give either a preset or a config file, not both")
-    path = Path(config_file) if config_file else preset_path(preset or "tiny")
-    if not path.is_file():
-        raise ConfigError(f"{path}: config file not found")
+def _read_layer(path: Path) -> tuple[dict[str, Any], dict[tuple[str, ...], int]]:
     text = path.read_text()
     try:
         data = yaml.safe_load(text) or {}
@@ -157,6 +144,49 @@ def load_config(
         raise ConfigError(f"{where}: invalid YAML ({getattr(e, 'problem', e)})") from e
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
+    return data, lines
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` on top of `base`: mappings merge key by key, anything else is replaced."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _layers(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[Path, dict[str, Any], dict]]:
+    """The file and the presets it `extends`, base first. `extends: NAME` names a preset in
+    configs/ (or a path relative to the file): the file holds only what differs from it."""
+    if path.resolve() in seen:
+        raise ConfigError(f"{path}: `extends` loops back to {path.name} ({' -> '.join(p.name for p in seen)})")
+    data, lines = _read_layer(path)
+    parent = data.pop("extends", None)
+    if parent is None:
+        return [(path, data, lines)]
+    if not isinstance(parent, str):
+        raise ConfigError(f"{path}:{lines.get(('extends',), 1)}: extends must be a preset name, got {parent!r}")
+    local = path.parent / parent
+    base = local if local.suffix in (".yaml", ".yml") and local.is_file() else preset_path(parent)
+    return [*_layers(base, (*seen, path.resolve())), (path, data, lines)]
+
+
+def load_config(
+    preset: str | None = None,
+    config_file: str | Path | None = None,
+    overrides: list[str] | None = None,
+) -> BaseModel:
+    """Resolve preset or file (and the presets it extends) plus overrides into a validated
+    PipelineConfig."""
+    if preset and config_file:
+        raise ConfigError("give either a preset or a config file, not both")
+    path = Path(config_file) if config_file else preset_path(preset or "tiny")
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    layers = _layers(path)
+    data: dict[str, Any] = {}
+    for _, layer, _ in layers:
+        data = _merge(data, layer)
     overridden: set[tuple[str, ...]] = set()
     for item in overrides or []:
         key, value = parse_override(item)
@@ -175,11 +205,12 @@ def load_config(
             if any(loc[: len(o)] == o for o in overridden):
                 where = "--set"
             else:
-                line = next((lines[loc[:i]] for i in range(len(loc), 0, -1) if loc[:i] in lines), None)
-                where = f"{path}:{line}" if line else str(path)
+                where = str(path)
+                # the most specific key path, in the topmost file that sets it
+                for i in range(len(loc), 0, -1):
+                    hit = next(((p, ln[loc[:i]]) for p, _, ln in reversed(layers) if loc[:i] in ln), None)
+                    if hit:
+                        where = f"{hit[0]}:{hit[1]}"
+                        break
             problems.append(f"{where}: field {field}: {err['msg']}")
         raise ConfigError("invalid config\n  " + "\n  ".join(problems)) from None
-
-
-def section_hash(section: BaseModel) -> str:
-    return hashlib.sha256(json.dumps(section.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()

@@ -52,6 +52,15 @@ class Workdir:
         return cls(out=out, checkpoint=ckpt, **kw)
 
 
+    def sub(self, out: Path, checkpoint: Path) -> "Workdir":
+        """A workdir for one part of a stage (a baseline run), reporting and persisting
+        through this one; its folders are created."""
+        out.mkdir(parents=True, exist_ok=True)
+        checkpoint.mkdir(parents=True, exist_ok=True)
+        return Workdir(out=out, checkpoint=checkpoint, progress=self.progress,
+                       persist_checkpoint=self.persist_checkpoint, seed=self.seed)
+
+
 class StageFn(Protocol):
     def __call__(self, cfg: Any, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]: ...
 

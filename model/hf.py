@@ -235,6 +235,26 @@ def load_pretrained(path: str | Path) -> GLMModel:
 
 
 # ---------------------------------------------------------------- our own format
+STATE_FILE = "consolidated.safetensors"   # a training stage's weights in its artifact
+
+
+def artifact_weights(artifact: str | Path, stage: str = "the parent stage") -> Path:
+    """The STATE_FILE of a stage artifact; a ValueError naming the stage when it has none."""
+    path = Path(artifact) / STATE_FILE
+    if not path.is_file():
+        raise ValueError(f"{stage}'s artifact {artifact} has no {STATE_FILE} to continue from")
+    return path
+
+
+def state_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig stored in a state file, without loading the weights."""
+    with safe_open(str(path), framework="pt") as fh:
+        meta = fh.metadata() or {}
+    if "glmforge_config" not in meta:
+        raise ValueError(f"{path} is not a glmforge state file (no glmforge_config metadata)")
+    return ModelConfig.model_validate_json(meta["glmforge_config"])
+
+
 def save_state(model: GLMModel, path: str | Path) -> Path:
     """Our state dict as one safetensors file, the ModelConfig in its metadata."""
     path = Path(path)
@@ -244,10 +264,6 @@ def save_state(model: GLMModel, path: str | Path) -> Path:
 
 
 def load_state(path: str | Path) -> GLMModel:
-    with safe_open(str(path), framework="pt") as fh:
-        meta = fh.metadata() or {}
-    if "glmforge_config" not in meta:
-        raise ValueError(f"{path} is not a glmforge state file (no glmforge_config metadata)")
-    model = GLMModel(ModelConfig.model_validate_json(meta["glmforge_config"]))
+    model = GLMModel(state_config(path))
     load_model(model, str(path), strict=True)
     return model

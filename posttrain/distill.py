@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from data_processing.tokenizer import load_tokenizer
 from glmforge import shutdown
 from glmforge.stage import Workdir
-from model.hf import load_state
+from model.hf import artifact_weights, load_state
 from model.model import GLMModel, indexer_parameters
 from posttrain import gates
 from posttrain.chat_template import STOP_TOKENS
@@ -251,10 +251,10 @@ def _save(root: Path, step: int, model, opt, gen, meta: dict[str, Any], keep: in
 
 def run_distill(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
     tokenizer = load_tokenizer(inputs["tokenize"])
-    model = load_state(inputs["rl-general"] / "consolidated.safetensors")
+    model = load_state(artifact_weights(inputs["rl-general"], "rl-general"))
     teachers: dict[str, GLMModel] = {}
     for name in cfg.teachers:
-        t = load_state(inputs[name] / "consolidated.safetensors")
+        t = load_state(artifact_weights(inputs[name], name))
         check_teacher(name, inputs[name], t, tokenizer, model)
         t.eval()
         for p in t.parameters():

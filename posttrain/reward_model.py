@@ -44,7 +44,7 @@ from safetensors.torch import load_file, save_file
 
 from data_processing.tokenizer import load_tokenizer
 from glmforge.stage import Workdir
-from model.hf import load_state, save_state
+from model.hf import artifact_weights, load_state, save_state
 from model.model import GLMModel, indexer_parameters
 from posttrain.chat_template import Message, encode
 from rl import arithmetic
@@ -245,7 +245,7 @@ def heldout_accuracy(rm: RewardModel, chosen: list[list[int]], rejected: list[li
 # ---------------------------------------------------------------- the stage
 def run_reward_model(cfg: RewardModelConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
     tokenizer = load_tokenizer(inputs["tokenize"])
-    backbone = load_state(inputs["sft"] / "consolidated.safetensors")
+    backbone = load_state(artifact_weights(inputs["sft"], "sft"))
     for p in indexer_parameters(backbone):
         p.requires_grad_(False)
     pad_id = tokenizer.token_to_id("<|pad|>")

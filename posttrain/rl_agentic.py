@@ -44,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_processing.tokenizer import load_tokenizer
 from glmforge.stage import Workdir
-from model.hf import load_state
+from model.hf import artifact_weights, load_state
 from model.model import GLMModel, indexer_parameters
 from posttrain import gates
 from posttrain.chat_template import STOP_TOKENS
@@ -219,7 +219,7 @@ def evaluate(engine: RolloutEngine, tokenizer, cfg: RLAgenticConfig, tasks: list
 # ---------------------------------------------------------------- the stage
 def run_rl_agentic(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
     tokenizer = load_tokenizer(inputs["tokenize"])
-    model = load_state(inputs["rl-reasoning"] / "consolidated.safetensors")
+    model = load_state(artifact_weights(inputs["rl-reasoning"], "rl-reasoning"))
     for p in indexer_parameters(model):
         p.requires_grad_(False)
     pad_id = tokenizer.token_to_id("<|pad|>")

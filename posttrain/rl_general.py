@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from data_processing.tokenizer import load_tokenizer
 from glmforge import shutdown
 from glmforge.stage import Workdir
-from model.hf import load_state
+from model.hf import artifact_weights, load_state
 from model.model import GLMModel, indexer_parameters
 from posttrain import gates
 from posttrain.gates import GateConfig
@@ -203,7 +203,7 @@ def make_judges(cfg: RLGeneralConfig, inputs: dict[str, Path], tokenizer, stop_i
         orm, info = load_reward_model(inputs["reward-model"], pad_id)
         out["orm"] = orm_judge(orm, tokenizer, int(info["max_len"]))
     if cfg.weights.get("grm", 0) > 0:
-        sft = load_state(inputs["sft"] / "consolidated.safetensors")
+        sft = load_state(artifact_weights(inputs["sft"], "sft"))
         out["grm"] = grm_judge(RolloutEngine(sft, tokenizer, stop_ids, pad_id, batch_size=cfg.rollout_batch),
                                tokenizer, cfg.grm_max_new_tokens)
     return out
@@ -230,7 +230,7 @@ def run_rl_general(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workd
                    judges: Optional[dict[str, Judge]] = None) -> dict[str, Any]:
     """`judges` replaces the ORM / GRM built from the inputs (tests: deterministic fakes)."""
     tokenizer = load_tokenizer(inputs["tokenize"])
-    model = load_state(inputs["rl-agentic"] / "consolidated.safetensors")
+    model = load_state(artifact_weights(inputs["rl-agentic"], "rl-agentic"))
     for p in indexer_parameters(model):
         p.requires_grad_(False)
     stop_ids = [tokenizer.token_to_id(t) for t in STOP_TOKENS]

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from data_processing.tokenizer import load_tokenizer
 from glmforge import shutdown
 from glmforge.stage import Workdir
-from model.hf import load_state
+from model.hf import artifact_weights, load_state
 from model.model import GLMModel, indexer_parameters
 from posttrain import gates
 from posttrain.chat_template import STOP_TOKENS
@@ -216,7 +216,7 @@ def first_last(records: list[dict[str, Any]], key: str) -> dict[str, float] | No
 
 def run_rl_reasoning(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
     tokenizer = load_tokenizer(inputs["tokenize"])
-    model = load_state(inputs["sft"] / "consolidated.safetensors")
+    model = load_state(artifact_weights(inputs["sft"], "sft"))
     if model.config.vocab_size < tokenizer.get_vocab_size():
         raise ValueError(f"rl-reasoning: the SFT model's vocab_size {model.config.vocab_size} is smaller than "
                          f"the tokenizer's {tokenizer.get_vocab_size()} tokens")

@@ -57,7 +57,7 @@ from data_processing.packing import META, PackedDataset
 from data_processing.tokenizer import load_tokenizer
 from glmforge.stage import Workdir
 from model.generate import generate
-from model.hf import load_state
+from model.hf import STATE_FILE, artifact_weights, load_state, state_config
 from model.model import GLMModel
 from posttrain.chat_template import STOP_TOKENS, Message, encode, parse_assistant
 from posttrain.export_int4 import export_all
@@ -67,7 +67,7 @@ from training.config import TrainConfig
 from training.data import eval_batches
 from training.objectives import SFTSpec
 from posttrain.sft_data import SFTDataConfig, build_sft_data, extract_answer, format_number, gsm8k_splits
-from training.stages import _state_config, train_stage
+from training.stages import train_stage
 
 log = logging.getLogger("glmforge")
 MODELS = ("full", "ptq_int4", "qat_int4", "full_no_qat")
@@ -224,10 +224,8 @@ def _data(cfg: SFTConfig, tokenizer, workdir: Workdir) -> tuple[Path, dict[str, 
 
 
 def run_sft(cfg: SFTConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
-    init = Path(inputs[BASE]) / "consolidated.safetensors"
-    if not init.exists():
-        raise ValueError(f"{BASE}'s artifact has no consolidated.safetensors to fine-tune")
-    base = _state_config(init)
+    init = artifact_weights(inputs[BASE], BASE)
+    base = state_config(init)
     model_cfg = base.replace(max_position_embeddings=max(base.max_position_embeddings, cfg.seq_len))
     with torch.device("meta"):      # shapes only: a group_size that does not divide fails now
         quantized_modules(GLMModel(model_cfg), cfg.qat)
@@ -242,22 +240,19 @@ def run_sft(cfg: SFTConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[s
     baseline = None
     if cfg.ptq_baseline and cfg.use_qat:
         root = workdir.checkpoint / "baseline"
-        bwd = Workdir(out=root / "out", checkpoint=root / "checkpoint", progress=workdir.progress,
-                      persist_checkpoint=workdir.persist_checkpoint, seed=workdir.seed)
-        bwd.out.mkdir(parents=True, exist_ok=True)
-        bwd.checkpoint.mkdir(parents=True, exist_ok=True)
+        bwd = workdir.sub(root / "out", root / "checkpoint")
         # eval.json is the loop's last export file: a retry after the baseline finished skips it
         if not (bwd.out / "eval.json").exists():
             train_stage("sft-baseline", cfg, model_cfg, data_dir, tok_dir, bwd, init, SFTSpec())
-        baseline = bwd.out / "consolidated.safetensors"
+        baseline = bwd.out / STATE_FILE
 
     out = workdir.out
     scratch = workdir.checkpoint / "ptq_int4"
     if cfg.use_qat:
-        quant = evaluate_quantization(cfg, out / "consolidated.safetensors", baseline, data_dir, tokenizer,
+        quant = evaluate_quantization(cfg, out / STATE_FILE, baseline, data_dir, tokenizer,
                                       out / "int4", scratch)
     else:   # this run is the no-QAT model: its INT4 is PTQ
-        quant = evaluate_quantization(cfg, None, out / "consolidated.safetensors", data_dir, tokenizer,
+        quant = evaluate_quantization(cfg, None, out / STATE_FILE, data_dir, tokenizer,
                                       out / "int4", scratch)
     shutil.rmtree(scratch, ignore_errors=True)
     b = quant["int4_bytes"]
@@ -272,7 +267,7 @@ def run_sft(cfg: SFTConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[s
                  quant["qat_target_met"], quant["qat_recovery_ppl_own"], quant["qat_full_minus_full_no_qat_ppl"],
                  quant["ptq_degradation_ppl"], quant["qat_recovery_resolved"])
 
-    export_all(load_state(out / "consolidated.safetensors").eval(), cfg.qat, out / "export", tok_dir)
+    export_all(load_state(out / STATE_FILE).eval(), cfg.qat, out / "export", tok_dir)
     evals = json.loads((out / "eval.json").read_text())
     (out / "eval.json").write_text(json.dumps({**evals, **quant}, indent=1))
     return {**result, **quant, "data": data_stats, "qat": cfg.use_qat, "qat_group_size": cfg.qat.group_size}

@@ -42,14 +42,14 @@ from data_processing.packing import PackedDataset
 from evals import long_context
 from glmforge.stage import Workdir
 from model.config import ModelConfig
-from model.hf import load_state, save_state
+from model.hf import STATE_FILE, artifact_weights, load_state, save_state, state_config
 from model.model import GLMModel
 from training.config import LongDataConfig, Optimizer, RetrievalDocsConfig
 from training.data import eval_batches
 from training.dsa_loss import forward_kwargs, query_rows, warmup_indexer_loss
 from training.longdata import pack_stage_data
 from training.objectives import DsaSparseSpec, DsaWarmupSpec, LMSpec
-from training.stages import _state_config, train_stage
+from training.stages import train_stage
 
 log = logging.getLogger("glmforge")
 PROBE_FILE = "indexer_probe.json"
@@ -104,18 +104,9 @@ class DsaAdaptConfig(DsaDataConfig):
 
 
 # ---------------------------------------------------------------- helpers (stage process)
-def _sub(workdir: Workdir, out: Path, checkpoint: Path) -> Workdir:
-    out.mkdir(parents=True, exist_ok=True)
-    checkpoint.mkdir(parents=True, exist_ok=True)
-    return Workdir(out=out, checkpoint=checkpoint, progress=workdir.progress,
-                   persist_checkpoint=workdir.persist_checkpoint, seed=workdir.seed)
-
-
 def _base_weights(parent: Path) -> tuple[Path, ModelConfig]:
-    init = Path(parent) / "consolidated.safetensors"
-    if not init.exists():
-        raise ValueError(f"{parent} has no consolidated.safetensors to continue from")
-    return init, _state_config(init)
+    init = artifact_weights(parent)
+    return init, state_config(init)
 
 
 @torch.no_grad()
@@ -211,7 +202,7 @@ def run_warmup(cfg: DsaWarmupConfig, inputs: dict[str, Path], workdir: Workdir) 
     result = train_stage("dsa-warmup", cfg, model_cfg, data_dir, inputs["tokenize"], workdir, init,
                          objective=DsaWarmupSpec())
     probe = {"before": indexer_probe(_model(init, model_cfg), data_dir, cfg.probe_sequences),
-             "after": indexer_probe(load_state(workdir.out / "consolidated.safetensors"), data_dir,
+             "after": indexer_probe(load_state(workdir.out / STATE_FILE), data_dir,
                                     cfg.probe_sequences)}
     (workdir.out / PROBE_FILE).write_text(json.dumps(probe, indent=1))
     log.info("dsa-warmup: held-out KL %.4f -> %.4f, top-k recall %.4f -> %.4f", probe["before"]["kl"],
@@ -245,14 +236,14 @@ def run_adapt(cfg: DsaAdaptConfig, inputs: dict[str, Path], workdir: Workdir) ->
         # Every run: the same weights, data (same order: same seed) and TrainConfig, so the
         # same token budget; only the attention and the objective differ.
         out = workdir.out if name == "dsa" else workdir.out / name
-        wd = _sub(workdir, out, workdir.checkpoint / name)
+        wd = workdir.sub(out, workdir.checkpoint / name)
         start = init
         if name == "swa":
             start = without_indexers(init, configs["swa"], workdir.checkpoint / "swa-init.safetensors")
         objective = DsaSparseSpec(indexer_loss_coeff=cfg.indexer_loss_coeff) if name == "dsa" else LMSpec()
         runs[name] = train_stage(f"dsa-adapt/{name}", cfg, configs[name], data_dir, inputs["tokenize"], wd, start,
                                  objective=objective)
-        weights[name] = out / "consolidated.safetensors"
+        weights[name] = out / STATE_FILE
 
     table, detail = long_context_table(weights, inputs["tokenize"], cfg.long_eval)
     (workdir.out / "long_context.json").write_text(json.dumps({"accuracy": table, "by_task": detail}, indent=1))

@@ -32,7 +32,7 @@ import torch
 
 from data_processing.packing import PackedDataset
 from glmforge.shutdown import EXIT_PREEMPTED, PreemptionGuard
-from model.hf import load_state, save_pretrained, save_state
+from model.hf import STATE_FILE, load_state, save_pretrained, save_state
 from model.model import GLMModel, moe_layers
 from model.moe import update_router_bias
 from training import checkpoint, metrics
@@ -282,7 +282,7 @@ def export(model: GLMModel, out_dir: Path, tokenizer_dir: Path | None, evals: di
     model = GLMModel(model.config)
     model.load_state_dict(state, strict=True)
     model.eval()
-    save_state(model, out_dir / "consolidated.safetensors")
+    save_state(model, out_dir / STATE_FILE)
     if all(kind == "dsa" for kind in model.config.layer_kinds):
         save_pretrained(model, out_dir / "hf", tokenizer_dir=tokenizer_dir)
     else:

@@ -30,6 +30,7 @@ from data_processing.packing import PackedDataset
 from data_processing.tokenizer import load_tokenizer
 from glmforge.stage import Workdir
 from model.config import ModelConfig, preset
+from model.hf import artifact_weights, state_config
 from model.info import param_counts
 from training import checkpoint, metrics
 from training.config import ContextConfig, PretrainConfig, TrainConfig
@@ -52,17 +53,6 @@ def model_config_for(cfg: PretrainConfig, tokenizer_vocab: int) -> ModelConfig:
         raise ValueError(f"model_overrides.vocab_size={vocab} is smaller than the tokenizer's "
                          f"{tokenizer_vocab} tokens")
     return preset(cfg.model_preset, **over, vocab_size=vocab)
-
-
-def _state_config(path: Path) -> ModelConfig:
-    """The ModelConfig stored in a consolidated.safetensors, without loading the weights."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as fh:
-        meta = fh.metadata() or {}
-    if "glmforge_config" not in meta:
-        raise ValueError(f"{path} is not a glmforge state file (no glmforge_config metadata)")
-    return ModelConfig.model_validate_json(meta["glmforge_config"])
 
 
 def rank_spec(cfg: TrainConfig, model_cfg: ModelConfig, workdir: Workdir, total_steps: int, data_dir: Path,
@@ -157,10 +147,8 @@ def run_pretrain(cfg: PretrainConfig, inputs: dict[str, Path], workdir: Workdir)
 
 def _context_run(name: str, previous: str):
     def run(cfg: ContextConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
-        init = Path(inputs[previous]) / "consolidated.safetensors"
-        if not init.exists():
-            raise ValueError(f"{previous}'s artifact has no consolidated.safetensors to continue from")
-        base = _state_config(init)
+        init = artifact_weights(inputs[previous], previous)
+        base = state_config(init)
         model_cfg = base.replace(rope_theta=cfg.rope_theta,
                                  max_position_embeddings=max(base.max_position_embeddings, cfg.seq_len))
         data_dir, packed = pack_stage_data(cfg, inputs, workdir)

@@ -7,8 +7,7 @@ from glmforge.config import CONFIGS_DIR, ConfigError, load_config
 
 def test_presets_validate():
     for path in sorted(CONFIGS_DIR.glob("*.yaml")):
-        cfg = load_config(path.stem)
-        assert cfg.run.name == path.stem
+        load_config(path.stem)
 
 
 def test_override_sets_nested_values():
@@ -48,7 +47,7 @@ def test_invalid_yaml_names_line(tmp_path):
 
 def test_missing_section_is_reported(tmp_path):
     path = tmp_path / "empty.yaml"
-    path.write_text("run: {name: x}\n")
+    path.write_text("run: {seed: 3}\n")
     with pytest.raises(ConfigError, match=r"field ingest: Field required"):
         load_config(config_file=path)
 
@@ -63,3 +62,25 @@ def test_prefect_yaml_deploys_every_stage():
     assert stages == STAGE_NAMES
     pipeline = [d for d in spec["deployments"] if d["entrypoint"].endswith(":pipeline")]
     assert len(pipeline) == 1 and pipeline[0]["schedules"][0]["active"] is False
+
+
+def test_a_preset_extends_another_and_holds_only_its_differences(tmp_path):
+    child = tmp_path / "child.yaml"
+    child.write_text("extends: tiny\nrun: {seed: 7}\npretrain:\n  max_steps: 3\n")
+    base, cfg = load_config("tiny"), load_config(config_file=child)
+    assert (cfg.run.seed, cfg.pretrain.max_steps) == (7, 3)
+    # everything else, nested fields of the overridden section included, comes from tiny
+    assert cfg.pretrain.model_copy(update={"max_steps": base.pretrain.max_steps}) == base.pretrain
+    assert cfg.sft == base.sft and cfg.ingest == base.ingest
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("extends: child.yaml\npretrain:\n  lr: -1\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml:3: field pretrain\.lr"):
+        load_config(config_file=bad)
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("extends: loop.yaml\n")
+    with pytest.raises(ConfigError, match="loops back"):
+        load_config(config_file=loop)
+    with pytest.raises(ConfigError, match="unknown preset 'nope'"):
+        child.write_text("extends: nope\n")
+        load_config(config_file=child)
+
