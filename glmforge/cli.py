@@ -11,6 +11,7 @@ import typer
 
 from glmforge.cli_model import eval_app, model_app
 from glmforge.config import ConfigError, load_config
+from glmforge.stage import resolve
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="The GLM-5 recipe as checkpointed Prefect flows.")
 artifacts_app = typer.Typer(no_args_is_help=True, help="Inspect published artifacts.")
@@ -23,6 +24,9 @@ schedule_app = typer.Typer(
     "The nightly cron of the end-to-end deployment is off until `glmforge schedule on`.",
 )
 app.add_typer(schedule_app, name="schedule")
+
+# The CLI sits above the flows: it starts them by entrypoint, the strings prefect.yaml deploys.
+PIPELINE_FLOW, STAGE_FLOW = "flows.end_to_end:pipeline", "flows.end_to_end:stage"
 
 PresetOpt = typer.Option(None, "--preset", "-p", help="preset in configs/ (default: tiny)")
 ConfigOpt = typer.Option(None, "--config", "-c", help="pipeline config YAML file")
@@ -110,7 +114,7 @@ def run(
             typer.echo(f"run {record.id}: {record.state} (every stage already published; Prefect not started)")
             _print_stages(record.public())
             return
-    from flows.end_to_end import pipeline
+    pipeline = resolve(PIPELINE_FLOW)
 
     from glmforge.shutdown import Preempted
 
@@ -143,7 +147,7 @@ def resume(
     record = RunRecord.load(st, run_id)
     if record is None:
         _fail(f"no run recorded in {st.uri}; start one with `glmforge run`")
-    from flows.end_to_end import stage as stage_flow
+    stage_flow = resolve(STAGE_FLOW)
     from glmforge.shutdown import Preempted
 
     try:
@@ -161,6 +165,20 @@ def resume(
         _fail(f"stage {stage} failed: {type(e).__name__}: {e}", code=1)
     typer.echo(f"run {result['run']['id']}: {result['run']['state']}")
     _print_stages(result)
+
+
+@app.command("grace-period")
+def grace_period(preset: Optional[str] = PresetOpt, config: Optional[Path] = ConfigOpt,
+                 set_: Optional[list[str]] = SetOpt) -> None:
+    """Print terminationGracePeriodSeconds for the config's pods (the Kubernetes work pool's
+    termination_grace_period_seconds): its largest preempt_grace_s plus the teardown margins."""
+    from glmforge.shutdown import pod_grace_seconds
+
+    try:
+        cfg = load_config(preset, config, set_)
+    except ConfigError as e:
+        _fail(str(e))
+    typer.echo(pod_grace_seconds(cfg))
 
 
 @app.command()

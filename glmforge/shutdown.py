@@ -322,21 +322,3 @@ def pod_grace_seconds(cfg) -> int:
     graces = [getattr(getattr(cfg, name), "preempt_grace_s") for name in type(cfg).model_fields
               if hasattr(getattr(cfg, name), "preempt_grace_s")]
     return int(math.ceil(max(graces, default=0.0) + KILL_MARGIN_S + TEARDOWN_S))
-
-
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    from glmforge.config import load_config
-
-    p = argparse.ArgumentParser(prog="python -m glmforge.shutdown",
-                                description="print terminationGracePeriodSeconds for a pipeline config")
-    p.add_argument("--preset", default=None)
-    p.add_argument("--config", default=None)
-    p.add_argument("--set", action="append", default=[])
-    a = p.parse_args(argv)
-    print(pod_grace_seconds(load_config(a.preset, a.config, a.set)))
-
-
-if __name__ == "__main__":
-    main()

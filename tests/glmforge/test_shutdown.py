@@ -164,7 +164,7 @@ def test_pod_grace_period_follows_the_config():
     pod = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]
     assert pod["terminationGracePeriodSeconds"] == "{{ termination_grace_period_seconds }}"
     assert template["variables"]["properties"]["termination_grace_period_seconds"]["type"] == "integer"
-    out = subprocess.run([sys.executable, "-m", "glmforge.shutdown", "--preset", "tiny",
+    out = subprocess.run([sys.executable, "-m", "glmforge.cli", "grace-period", "--preset", "tiny",
                           "--set", "pretrain.preempt_grace_s=100"], cwd=REPO, capture_output=True, text=True)
     assert out.stdout.strip() == str(shutdown.pod_grace_seconds(cfg))
 
