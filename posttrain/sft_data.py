@@ -79,6 +79,8 @@ class SFTDataConfig(BaseModel):
     code: int = Field(150, ge=0)
     arithmetic: int = Field(0, ge=0, description="demonstrations of rl-reasoning's synthetic addition task "
                             "(rl.arithmetic): the warm start that puts RL at the edge of competence")
+    arithmetic_with_tools: float = Field(0.0, ge=0, le=1, description="share of arithmetic demonstrations "
+                                         "that offer the calculator and answer directly")
     arithmetic_corrupt: float = Field(0.35, ge=0, lt=1, description="share of arithmetic demonstrations with "
                                       "one wrong digit (keeps sampled accuracy where GRPO has reward variance)")
     val_per_kind: int = Field(16, ge=1, description="held-out conversations of each kind")
@@ -301,14 +303,18 @@ def code_sample(i: int, f: Function) -> Sample:
                            Message("assistant", f"```python\n{f.source}\n```", reasoning=reasoning)), None, mode)
 
 
-def arithmetic_samples(n: int, split: str, seed: int, corrupt: float) -> list[Sample]:
-    """Addition in rl.arithmetic's format, thinking off; held-out pairs only in the val split."""
+def arithmetic_samples(n: int, split: str, seed: int, corrupt: float, with_tools: float = 0.0) -> list[Sample]:
+    """Addition in rl.arithmetic's format, thinking off; held-out pairs only in the val split.
+    A `with_tools` share offers the calculator and answers directly: without it the model learns
+    that an offered tool is always called, and agentic RL's calc_arith (the same prompt with the
+    calculator) starts with no correct answer at all, so no reward variance to learn from."""
     rng = random.Random(seed)
     out = []
     for t in arithmetic.tasks(n, "train" if split == "train" else "heldout", seed):
         answer = arithmetic.corrupted(t.answer, rng) if split == "train" and rng.random() < corrupt else t.answer
+        tools = (CALCULATOR,) if rng.random() < with_tools else None
         out.append(Sample("arithmetic", (Message("user", t.prompt, thinking=False), Message("assistant", answer)),
-                          None, "turn"))
+                          tools, "turn"))
     return out
 
 
@@ -354,7 +360,8 @@ def build_samples(cfg: SFTDataConfig) -> dict[str, list[Sample]]:
                 + _take((_valid(calc_sample, i, p, cfg.max_calls) for i, p in enumerate(probs)), counts["tool_calc"])
                 + _take((_valid(docs_sample, i, f, index) for i, f in enumerate(fs)), counts["tool_docs"])
                 + _take((_valid(code_sample, i, f) for i, f in enumerate(short)), counts["code"])
-                + arithmetic_samples(counts["arithmetic"], split, cfg.seed, cfg.arithmetic_corrupt))
+                + arithmetic_samples(counts["arithmetic"], split, cfg.seed, cfg.arithmetic_corrupt,
+                                     cfg.arithmetic_with_tools))
 
     train = for_split(train_p, kept, {k: getattr(cfg, k) for k in KINDS}, "train")
     val = for_split(eval_p, held, {k: cfg.val_per_kind if getattr(cfg, k) else 0 for k in KINDS}, "val")
