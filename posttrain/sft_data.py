@@ -312,7 +312,7 @@ def arithmetic_samples(n: int, split: str, seed: int, corrupt: float, with_tools
     out = []
     for t in arithmetic.tasks(n, "train" if split == "train" else "heldout", seed):
         answer = arithmetic.corrupted(t.answer, rng) if split == "train" and rng.random() < corrupt else t.answer
-        tools = (CALCULATOR,) if rng.random() < with_tools else None
+        tools = (CALCULATOR,) if with_tools and rng.random() < with_tools else None   # no draw at 0
         out.append(Sample("arithmetic", (Message("user", t.prompt, thinking=False), Message("assistant", answer)),
                           tools, "turn"))
     return out
