@@ -287,8 +287,11 @@ def key_value_documents(n: int, seed: int, sizes: Sequence[int] = (4, 8, 12, 16)
         keys = [_key(rng, "train", taken) for _ in range(rng.choice(list(sizes)))]
         values = _values(rng, len(keys))
         asked = rng.sample(range(len(keys)), len(keys))
+        # Each answer line ends right after the value (then a newline), as the evaluation scores
+        # it: exact_match takes the continuation's first line, so a model taught "V." here
+        # would answer "4821." and be scored wrong.
         text = " ".join(_needle(k, v) for k, v in zip(keys, values)) + "\n" + "\n".join(
-            f"{_ask_key(keys[j])} {values[j]}." for j in asked)
+            f"{_ask_key(keys[j])} {values[j]}" for j in asked)
         out.append(Document(f"long-context/key_value/{seed}/{i}", text, "long-context-synthetic",
                             {"task": "key_value", "length": len(keys)}))
     return out

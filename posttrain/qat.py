@@ -141,7 +141,7 @@ def fake_quantize_lsq(w: torch.Tensor, scale: torch.Tensor, group_size: int) -> 
     wg = w.reshape(*lead, -1, group_size)
     s = scale.unsqueeze(-1)
     gs = 1.0 / math.sqrt(group_size * QMAX)
-    s = s * gs + (s - s * gs).detach()                   # value s, gradient scaled by gs
+    s = s.detach() + (s * gs - (s * gs).detach())       # value exactly s, gradient scaled by gs
     v = torch.clamp(wg / s, QMIN, QMAX)
     q = v + (torch.round(v) - v).detach()
     return (q * s).reshape(w.shape)

@@ -105,7 +105,7 @@ def test_key_value_documents_ask_every_key_with_its_value():
     for d in docs:
         needles, questions = d.text.split("\n", 1)
         planted = dict(re.findall(r"The value of key (\w+) is (\d+)\.", needles))
-        asked = re.findall(r"What is the value of key (\w+)\? Answer: The value of key \1 is (\d+)\.", questions)
+        asked = re.findall(r"What is the value of key (\w+)\? Answer: The value of key \1 is (\d+)$", questions, re.M)
         assert len(planted) in (4, 8) and len(asked) == len(planted) == len(questions.split("\n"))
         assert dict(asked) == planted
         assert not any(is_eval_key(k) for k in planted)

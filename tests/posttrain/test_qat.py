@@ -184,3 +184,38 @@ def test_int4_bytes_are_a_quarter_of_fp16_plus_scales(tmp_path):
         from safetensors.torch import save_file
         save_file({"x": torch.zeros(1)}, str(tmp_path / "bad.safetensors"))
         load_int4_model(tmp_path / "bad.safetensors")
+
+
+def test_lsq_starts_at_round_to_nearest_learns_its_scales_and_bakes_with_them():
+    from posttrain.qat import enable_lsq, fake_quantize_lsq, lsq_parameters
+
+    # the LSQ quantizer on hand-checked values: group of 4, scale 0.5 -> round(w / 0.5) * 0.5,
+    # clamped to [-8, 7] * 0.5; the scale's gradient is LSQ's (round(v) - v inside, the clamp
+    # level outside) times 1 / sqrt(4 * 7)
+    w = torch.tensor([[0.3, -0.7, 5.0, -9.0]], requires_grad=True)
+    s = torch.tensor([[0.5]], requires_grad=True)
+    out = fake_quantize_lsq(w, s, 4)
+    assert out.tolist() == [[0.5, -0.5, 3.5, -4.0]]
+    out.sum().backward()
+    assert w.grad.tolist() == [[1.0, 1.0, 0.0, 0.0]]
+    expected = ((1 - 0.6) + (-1 + 1.4) + 7 + -8) / (4 * 7) ** 0.5
+    assert s.grad.item() == pytest.approx(expected)
+
+    torch.manual_seed(0)
+    m = small_model()
+    ids, labels = ids_and_labels()
+    ref = ptq_int4(m, QATConfig())(ids).logits
+    prepare_qat(m, QATConfig())
+    scales = enable_lsq(m)
+    assert scales and scales == lsq_parameters(m)
+    assert torch.allclose(m(ids).logits, ref, atol=1e-5)          # init = round-to-nearest
+    assert set(dict(m.named_parameters())) == set(dict(small_model().named_parameters()))
+    m(ids, labels=labels).loss.backward()
+    assert all(p.grad is not None for p in scales)
+    with torch.no_grad():
+        for p in scales:
+            p.mul_(1.1)
+    fq = m(ids).logits.detach()
+    remove_qat(m, bake=True)
+    assert not lsq_parameters(m)
+    assert torch.allclose(m(ids).logits, fq, atol=1e-5)           # baked with the learned scales
