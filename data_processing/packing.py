@@ -106,6 +106,11 @@ def copies(weight: float, rng: random.Random) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # Writing
+# Document metadata flag: never split this document across sequences when it fits in one (a
+# retrieval prompt whose needle would otherwise land in another sequence than its question).
+WHOLE = "pack_whole"
+
+
 class _SplitWriter:
     def __init__(self, root: Path, split: str, seq_len: int, per_shard: int, pad_id: int,
                  loss_mask: bool = False):
@@ -205,9 +210,11 @@ def pack(docs: list[Document], tok, cfg: PackConfig, out: Path, progress=None) -
         w = _SplitWriter(out, split, cfg.seq_len, cfg.sequences_per_shard, pad)
         n_tokens = 0
         for s in range(0, len(texts), 512):
-            for enc in tok.encode_batch(texts[s : s + 512]):
+            for d, enc in zip(order[s : s + 512], tok.encode_batch(texts[s : s + 512])):
                 ids = enc.ids + [eos]
                 n_tokens += len(ids)
+                if d.metadata.get(WHOLE) and w.room() < len(ids) <= cfg.seq_len:
+                    w.pad_sequence()    # a document that only makes sense whole starts a new sequence
                 w.add(ids)
             if progress:
                 progress(min(s + 512, len(texts)), len(texts), f"pack {split}")

@@ -19,20 +19,22 @@ from data_processing.stages import STAGES as CURATION
 from glmforge.stage import StageSpec
 
 LONG = ("decontaminate", "tokenize")   # the long-context stages pack their mix from these
+# version 2 of the long-data stages: retrieval documents are packed whole (data_processing.packing.WHOLE)
+LONG_DATA_VERSION = "2"
 
 TRAINING: list[StageSpec] = [
     StageSpec("pretrain", "pretrain", "training.config:PretrainConfig", "training.stages:run_pretrain",
               parents=("pack", "tokenize")),
     StageSpec("context-1", "context_1", "training.config:ContextConfig", "training.stages:run_context_1",
-              parents=("pretrain", *LONG)),
+              parents=("pretrain", *LONG), version=LONG_DATA_VERSION),
     StageSpec("context-2", "context_2", "training.config:ContextConfig", "training.stages:run_context_2",
-              parents=("context-1", *LONG)),
+              parents=("context-1", *LONG), version=LONG_DATA_VERSION),
     StageSpec("context-3", "context_3", "training.config:ContextConfig", "training.stages:run_context_3",
-              parents=("context-2", *LONG)),
+              parents=("context-2", *LONG), version=LONG_DATA_VERSION),
     StageSpec("dsa-warmup", "dsa_warmup", "training.dsa:DsaWarmupConfig", "training.dsa:run_warmup",
-              parents=("context-3", *LONG)),
+              parents=("context-3", *LONG), version=LONG_DATA_VERSION),
     StageSpec("dsa-adapt", "dsa_adapt", "training.dsa:DsaAdaptConfig", "training.dsa:run_adapt",
-              parents=("dsa-warmup", *LONG)),
+              parents=("dsa-warmup", *LONG), version=LONG_DATA_VERSION),
 ]
 
 POSTTRAIN: list[StageSpec] = [

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 from data_processing.common import iter_input_documents
 from data_processing.document import Document
-from data_processing.packing import PackConfig, pack, repo_documents
+from data_processing.packing import WHOLE, PackConfig, pack, repo_documents
 from data_processing.tokenizer import load_tokenizer
 from evals import long_context
 from glmforge.stage import Workdir
@@ -71,8 +71,8 @@ def pack_long(docs_dir: Path, tokenizer_dir: Path, out: Path, seq_len: int, mix:
         repeats = min(w, mix.max_repeats)
         kept.append(Document(d.id, d.text, d.source, {**d.metadata, "quality": {"weight": repeats}}))
         by_source[d.source] = by_source.get(d.source, 0.0) + repeats * len(d.text)
-    for d in extra:
-        kept.append(Document(d.id, d.text, d.source, {**d.metadata, "quality": {"weight": 1.0}}))
+    for d in extra:   # synthetic retrieval documents: whole, or the question loses its needle
+        kept.append(Document(d.id, d.text, d.source, {**d.metadata, "quality": {"weight": 1.0}, WHOLE: True}))
         by_source[d.source] = by_source.get(d.source, 0.0) + len(d.text)
     if len(kept) < 2:
         raise ValueError(f"the long-context mix keeps {len(kept)} document(s) of {len(docs)}: "

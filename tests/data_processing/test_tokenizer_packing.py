@@ -140,3 +140,33 @@ def test_fim_and_repo_level(trained, tmp_path):
 def test_missing_dataset_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="meta.json"):
         PackedDataset(tmp_path)
+
+
+def test_documents_flagged_whole_are_never_split(trained, tmp_path):
+    """A retrieval document that does not fit in the rest of a sequence starts the next one
+    (the rest is padding); unflagged, the same document is split across two sequences."""
+    _, tok_out, _, _ = trained
+    tok = load_tokenizer(tok_out)
+    filler = "word " * 20                                       # 41 tokens with <|endoftext|>
+    needle = "The value of key alpha is 4821. " * 6             # 80 tokens with <|endoftext|>
+    cfg = PackConfig(seq_len=96, val_fraction=0.0, upsample=False, seed=0, repo_level=False, fim_rate=0.0)
+    eos = tok.token_to_id(EOS)
+    want = tok.encode(needle).ids + [eos]
+    assert len(tok.encode(filler).ids) + 1 + len(want) > 96 >= len(want)
+
+    def packed(flag: dict) -> tuple[list[list[int]], dict]:
+        out = tmp_path / str(len(flag))
+        docs = [Document("a-filler", filler, "text"), Document("b-needle", needle, "retrieval", flag)]
+        meta = pack(docs, tok, cfg, out)
+        ds = PackedDataset(out)
+        return [ds[i]["input_ids"].tolist() for i in range(len(ds))], meta
+
+    def whole(seqs):
+        return any(s[i : i + len(want)] == want for s in seqs for i in range(len(s) - len(want) + 1))
+
+    seqs, meta = packed({packing.WHOLE: True})
+    assert seqs[0][:2] == tok.encode(filler).ids[:2]     # the seeded shuffle puts the filler first
+    assert seqs[1][:len(want)] == want                    # the needle starts the next sequence
+    assert meta["splits"]["train"]["pad_tokens"] == (96 - 41) + (96 - len(want))
+    seqs, meta = packed({})
+    assert len(seqs) == 2 and not whole(seqs)             # unflagged: it fills the first one's rest
