@@ -322,10 +322,11 @@ def test_stale_lease_expires(store):
 
 
 def test_lease_heartbeat_keeps_it_alive(store):
-    a = Lease(store, "s/hb", ttl=0.6)
+    # ttl 3 s, renewed every 1 s: a loaded machine's slow S3 put must not look like a dead holder
+    a = Lease(store, "s/hb", ttl=3.0)
     a.acquire(wait=0)
-    time.sleep(1.5)  # past the ttl: only the heartbeat keeps it
-    assert not Lease(store, "s/hb", ttl=0.6).try_acquire()
+    time.sleep(4.5)  # past the ttl: only the heartbeat keeps it
+    assert not Lease(store, "s/hb", ttl=3.0).try_acquire()
     a.release()
 
 
