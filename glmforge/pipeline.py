@@ -17,6 +17,7 @@ from __future__ import annotations
 from data_processing.ingest import STAGE as INGEST
 from data_processing.stages import STAGES as CURATION
 from glmforge.stage import StageSpec
+from glmforge.stage import upstream as stage_upstream
 
 LONG = ("decontaminate", "tokenize")   # the long-context stages pack their mix from these
 # version 2 of the long-data stages: retrieval documents are packed whole (data_processing.packing.WHOLE)
@@ -65,13 +66,8 @@ def get_stage(name: str) -> StageSpec:
 
 def upstream(name: str) -> list[StageSpec]:
     """The stage and everything it depends on, in execution order."""
-    need, stack = set(), [name]
-    while stack:
-        n = stack.pop()
-        if n not in need:
-            need.add(n)
-            stack.extend(get_stage(n).parents)
-    return [s for s in STAGES if s.name in need]
+    get_stage(name)
+    return stage_upstream(STAGES, name)
 
 
 def stages_until(until: str | None) -> list[StageSpec]:

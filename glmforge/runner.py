@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 from pydantic import BaseModel
 
 from glmforge.shutdown import Preempted
-from glmforge.stage import ProgressFn, StageSpec, Workdir
+from glmforge.stage import ProgressFn, StageSpec, Workdir, upstream
 from glmforge.store import Lease, Manifest, Store, default_home
 
 log = logging.getLogger("glmforge")
@@ -154,19 +154,6 @@ class Runner:
     def key(self, spec: StageSpec, parents: dict[str, Manifest]) -> str:
         return stage_key(spec, self.section(spec), self.seed, parents)
 
-    def upstream(self, name: str) -> list[StageSpec]:
-        """The stage and everything it depends on, in execution order."""
-        by_name = {s.name: s for s in self.stages}
-        need, todo = set(), [name]
-        while todo:
-            n = todo.pop()
-            if n not in by_name:
-                raise ValueError(f"unknown stage {n!r}; stages: {', '.join(by_name)}")
-            if n not in need:
-                need.add(n)
-                todo.extend(by_name[n].parents)
-        return [s for s in self.stages if s.name in need]
-
     def work_key(self, spec: StageSpec, parents: dict[str, Manifest]) -> str:
         """The key of the stage's working folder and mirrored checkpoint: the artifact key
         without the code digest, so a fixed stage resumes its checkpoint (see above)."""
@@ -233,7 +220,7 @@ class Runner:
 
         Raises ValueError naming the first upstream stage without a published artifact."""
         found: dict[str, Manifest] = {}
-        for spec in self.upstream(name):
+        for spec in upstream(self.stages, name):
             if spec.name == name:
                 break
             parents = {p: found[p] for p in spec.parents}

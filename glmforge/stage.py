@@ -109,3 +109,17 @@ class StageSpec:
     @property
     def fingerprint_fn(self) -> Callable[[Any], str] | None:
         return resolve(self.fingerprint)
+
+
+def upstream(stages: list[StageSpec], name: str) -> list[StageSpec]:
+    """The stage `name` and everything it depends on, in the order of `stages`."""
+    by_name = {s.name: s for s in stages}
+    need, todo = set(), [name]
+    while todo:
+        n = todo.pop()
+        if n not in by_name:
+            raise ValueError(f"unknown stage {n!r}; stages: {', '.join(by_name)}")
+        if n not in need:
+            need.add(n)
+            todo.extend(by_name[n].parents)
+    return [s for s in stages if s.name in need]
