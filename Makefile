@@ -6,7 +6,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export DS_ACCELERATOR := cpu
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo effects test bench clean
 
 setup: $(VENV)/.installed
 
@@ -19,6 +19,11 @@ $(VENV)/.installed: requirements-cpu.txt requirements-dev.txt pyproject.toml
 
 demo: setup
 	$(VENV)/bin/glmforge run --preset tiny
+	$(VENV)/bin/glmforge status
+
+# the long-context effect (DSA vs full vs SWA) on the small preset: about 25 minutes on 2 cores
+effects: setup
+	$(VENV)/bin/glmforge run --preset small --until dsa-adapt
 	$(VENV)/bin/glmforge status
 
 test: setup

@@ -281,6 +281,41 @@ def pack_samples(splits: dict[str, list[tuple[list[int], list[int]]]], out: Path
     return meta
 
 
+def with_samples(src: Path, out: Path, samples: dict[str, list[tuple[list[int], list[int]]]],
+                 sequences_per_shard: int = 8192) -> dict:
+    """A copy of the packed dataset at `src` (sequences and document starts unchanged) followed by
+    whole `samples` (ids, loss mask) per split, in a dataset with a loss mask: src sequences
+    keep theirs, or get all ones (every token a target) when src has none. For mixing synthetic
+    token tasks (training.synthetic) into packed text. A sample longer than seq_len is a ValueError."""
+    src_meta = json.loads((Path(src) / META).read_text())
+    seq_len, pad = int(src_meta["seq_len"]), src_meta["pad_id"]
+    unknown = set(samples) - set(src_meta["splits"])
+    if unknown:
+        raise ValueError(f"samples for splits {sorted(unknown)} that {src} does not have")
+    meta: dict[str, Any] = {**src_meta, "loss_mask": True, "splits": {}}
+    for split in src_meta["splits"]:
+        w = _SplitWriter(out, split, seq_len, sequences_per_shard, pad, loss_mask=True)
+        for item in PackedDataset(src, split):
+            ids, starts = item["input_ids"].tolist(), [int(s) for s in item["doc_starts"]] + [seq_len]
+            mask = item["loss_mask"].tolist() if "loss_mask" in item else [1] * seq_len
+            for a, b in zip(starts[:-1], starts[1:]):
+                if b > a:
+                    w.add(ids[a:b], mask[a:b])
+        extra = samples.get(split, [])
+        for i, (ids, mask) in enumerate(extra):
+            if len(ids) > seq_len:
+                raise ValueError(f"{split} sample {i} has {len(ids)} tokens, more than seq_len={seq_len}")
+            if len(ids) > w.room():
+                w.pad_sequence()
+            w.add(list(ids), list(mask))
+        w.close()
+        meta["splits"][split] = {**src_meta["splits"][split], "sequences": w.total, "shards": w.shards,
+                                 "added_samples": len(extra)}
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / META).write_text(json.dumps(meta, indent=2))
+    return meta
+
+
 # ---------------------------------------------------------------------------------------------
 # Reading
 class PackedDataset:

@@ -63,11 +63,13 @@ from posttrain.chat_template import STOP_TOKENS, Message, encode, parse_assistan
 from posttrain.export_int4 import export_all
 from posttrain.qat import (QATConfig, convert_int4, int4_bytes, load_int4_model, quantized_modules,
                            save_int4)
+from training import synthetic
 from training.config import TrainConfig
 from training.data import eval_batches
 from training.objectives import SFTSpec
 from posttrain.sft_data import SFTDataConfig, build_sft_data, extract_answer, format_number, gsm8k_splits
 from training.stages import train_stage
+from training.synthetic import SyntheticConfig
 
 log = logging.getLogger("glmforge")
 MODELS = ("full", "ptq_int4", "qat_int4", "full_no_qat")
@@ -87,6 +89,13 @@ class SFTConfig(TrainConfig):
     ptq_baseline: bool = Field(True, description="also train the same run without QAT: the PTQ baseline")
     eval_gsm8k: int = Field(16, ge=0, description="held-out GSM8K questions answered by greedy generation")
     max_new_tokens: int = Field(96, ge=1, description="generation budget per GSM8K answer")
+    synthetic: SyntheticConfig | None = Field(None, description="synthetic token documents added to the "
+                                              "training split (training.synthetic), e.g. the facts the "
+                                              "quantization table scores")
+    eval_facts: int = Field(0, ge=0, description="held-out fact-recall documents (22 facts each) scored for "
+                            "every model of the quantization table; needs a model pretrained with synthetic data")
+    seeds: int = Field(1, ge=1, description="QAT + PTQ-baseline pairs trained with seed offsets 0..seeds-1 "
+                       "for the quantization table's spread; the artifact is seed 0's")
 
 
 # ---------------------------------------------------------------- evaluation (stage side)
@@ -132,7 +141,13 @@ def gsm8k_accuracy(model: GLMModel, tokenizer, problems: list, max_new_tokens: i
 def _score(model: GLMModel, cfg: SFTConfig, data_dir: Path, tokenizer, problems: list) -> dict[str, Any]:
     ppl = perplexity(model, data_dir, cfg.micro_batch_size, cfg.eval_sequences)
     acc = gsm8k_accuracy(model, tokenizer, problems, cfg.max_new_tokens)
-    return {"ppl": ppl["ppl"], "loss": ppl["loss"], "gsm8k_acc": acc["acc"], "gsm8k_n": acc["n"]}, acc.get("example")
+    row = {"ppl": ppl["ppl"], "loss": ppl["loss"], "gsm8k_acc": acc["acc"], "gsm8k_n": acc["n"]}
+    if cfg.eval_facts:
+        base = tokenizer.get_vocab_size()
+        synthetic.check_vocab(model.config.vocab_size, base, "sft.eval_facts")
+        facts = synthetic.facts_scores(model, base, cfg.eval_facts, "sft")
+        row.update(facts_acc=facts["acc"], facts_ppl=facts["ppl"], facts_n=facts["n"])
+    return row, acc.get("example")
 
 
 def recovery(ptq: float | None, qat: float | None, reference: float | None) -> float | None:
@@ -202,7 +217,37 @@ def summarize(table: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "qat_recovery_ppl_own": None if rec is None else 1 - (qat - full) / gap_ptq,
         # False: the runs' full-precision models differ by at least PTQ's whole degradation
         "qat_recovery_resolved": None if rec is None else abs(cost) < gap_ptq,
+        **(_facts_summary(table) if "facts_ppl" in table["full"] else {}),
     }
+
+
+def _facts_summary(table: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """PTQ's cost and QAT's recovery on the fact-recall task (answer perplexity, accuracy)."""
+    if "full_no_qat" not in table:
+        return {}
+    ref, ptq, qat = (table[k] for k in ("full_no_qat", "ptq_int4", "qat_int4"))
+    return {"ptq_degradation_facts_ppl_pct": 100 * (ptq["facts_ppl"] / ref["facts_ppl"] - 1),
+            "ptq_degradation_facts_acc_points": 100 * (ref["facts_acc"] - ptq["facts_acc"]),
+            "qat_recovery_facts_ppl": recovery(ptq["facts_ppl"], qat["facts_ppl"], ref["facts_ppl"]),
+            "qat_recovery_facts_acc": recovery(-ptq["facts_acc"], -qat["facts_acc"], -ref["facts_acc"])}
+
+
+SPREAD_KEYS = ("ptq_degradation_ppl", "qat_recovery_ppl", "ptq_degradation_facts_ppl_pct",
+               "ptq_degradation_facts_acc_points", "qat_recovery_facts_ppl", "qat_recovery_facts_acc")
+
+
+def spread(per_seed: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """{key: {"mean", "std", "values"}} over the seeds' summaries (sample std; None when a seed
+    has no value, e.g. PTQ did not degrade)."""
+    out = {}
+    for k in SPREAD_KEYS:
+        vals = [s.get(k) for s in per_seed]
+        if not vals or any(v is None for v in vals):
+            continue
+        mean = sum(vals) / len(vals)
+        std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else 0.0
+        out[k] = {"mean": mean, "std": std, "values": vals}
+    return out
 
 
 # ---------------------------------------------------------------- the stage
@@ -220,7 +265,41 @@ def _data(cfg: SFTConfig, tokenizer, workdir: Workdir) -> tuple[Path, dict[str, 
         (tmp / "build.json").write_text(json.dumps(stats, indent=1))
         os.replace(tmp, data_dir)
         workdir.persist_checkpoint()
-    return data_dir, json.loads(stats_file.read_text())
+    stats = json.loads(stats_file.read_text())
+    if cfg.synthetic:   # the conversations plus synthetic documents (held-out split unchanged)
+        mixed = workdir.checkpoint / "data-mixed"
+        meta = synthetic.mix_into(data_dir, mixed, cfg.synthetic, tokenizer.get_vocab_size(),
+                                  workdir.seed + cfg.seed_offset)
+        workdir.persist_checkpoint()
+        return mixed, {**stats, "synthetic": meta["synthetic"]}
+    return data_dir, stats
+
+
+def _train_and_quantize(cfg: SFTConfig, model_cfg, init: Path, data_dir: Path, tok_dir: Path, tokenizer,
+                        workdir: Workdir, name: str = "sft") -> tuple[dict[str, Any], dict[str, Any]]:
+    """The QAT run, its PTQ baseline (same seed, data order and steps), and the quantization
+    table of the pair, in `workdir` (each run resumable on its own)."""
+    result = train_stage(name, cfg, model_cfg, data_dir, tok_dir, workdir, init,
+                         SFTSpec(qat=cfg.qat if cfg.use_qat else None,
+                                 qat_start_step=int(cfg.qat_start_fraction * cfg.steps_for(cfg.seq_len))))
+    baseline = None
+    if cfg.ptq_baseline and cfg.use_qat:
+        root = workdir.checkpoint / "baseline"
+        bwd = workdir.sub(root / "out", root / "checkpoint")
+        # eval.json is the loop's last export file: a retry after the baseline finished skips it
+        if not (bwd.out / "eval.json").exists():
+            train_stage(f"{name}-baseline", cfg, model_cfg, data_dir, tok_dir, bwd, init, SFTSpec())
+        baseline = bwd.out / STATE_FILE
+    out = workdir.out
+    scratch = workdir.checkpoint / "ptq_int4"
+    if cfg.use_qat:
+        quant = evaluate_quantization(cfg, out / STATE_FILE, baseline, data_dir, tokenizer,
+                                      out / "int4", scratch)
+    else:   # this run is the no-QAT model: its INT4 is PTQ
+        quant = evaluate_quantization(cfg, None, out / STATE_FILE, data_dir, tokenizer,
+                                      out / "int4", scratch)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return result, quant
 
 
 def run_sft(cfg: SFTConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
@@ -233,28 +312,19 @@ def run_sft(cfg: SFTConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[s
     tokenizer = load_tokenizer(tok_dir)
     data_dir, data_stats = _data(cfg, tokenizer, workdir)
 
-    result = train_stage("sft", cfg, model_cfg, data_dir, tok_dir, workdir, init,
-                         SFTSpec(qat=cfg.qat if cfg.use_qat else None,
-                                 qat_start_step=int(cfg.qat_start_fraction * cfg.steps_for(cfg.seq_len))))
-
-    baseline = None
-    if cfg.ptq_baseline and cfg.use_qat:
-        root = workdir.checkpoint / "baseline"
-        bwd = workdir.sub(root / "out", root / "checkpoint")
-        # eval.json is the loop's last export file: a retry after the baseline finished skips it
-        if not (bwd.out / "eval.json").exists():
-            train_stage("sft-baseline", cfg, model_cfg, data_dir, tok_dir, bwd, init, SFTSpec())
-        baseline = bwd.out / STATE_FILE
-
+    result, quant = _train_and_quantize(cfg, model_cfg, init, data_dir, tok_dir, tokenizer, workdir)
+    seeds = [quant]
+    for k in range(1, cfg.seeds):
+        # another pair with another data order, for the spread; evaluated, not published
+        root = workdir.checkpoint / f"seed{k}"
+        kwd = workdir.sub(root / "out", root / "checkpoint")
+        seeds.append(_train_and_quantize(cfg.model_copy(update={"seed_offset": cfg.seed_offset + k}), model_cfg,
+                                         init, data_dir, tok_dir, tokenizer, kwd, f"sft-seed{k}")[1])
+    if cfg.seeds > 1:
+        quant = {**quant, "seeds": [{"seed_offset": cfg.seed_offset + k, "quantization": q["quantization"],
+                                     **{key: q.get(key) for key in SPREAD_KEYS}} for k, q in enumerate(seeds)],
+                 "spread": spread(seeds)}
     out = workdir.out
-    scratch = workdir.checkpoint / "ptq_int4"
-    if cfg.use_qat:
-        quant = evaluate_quantization(cfg, out / STATE_FILE, baseline, data_dir, tokenizer,
-                                      out / "int4", scratch)
-    else:   # this run is the no-QAT model: its INT4 is PTQ
-        quant = evaluate_quantization(cfg, None, out / STATE_FILE, data_dir, tokenizer,
-                                      out / "int4", scratch)
-    shutil.rmtree(scratch, ignore_errors=True)
     b = quant["int4_bytes"]
     log.info("sft: INT4 %d quantized params: %.0f bytes int4 + %.0f bytes scales vs %.0f bytes fp16 (x%.3f)",
              b["quantized_params"], b["int4_bytes"], b["scale_bytes"], b["fp16_bytes"], b["ratio_with_scales"])
@@ -266,6 +336,13 @@ def run_sft(cfg: SFTConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[s
                  "degradation %s ppl, resolved: %s)", quant["qat_recovery_ppl"], RECOVERY_TARGET,
                  quant["qat_target_met"], quant["qat_recovery_ppl_own"], quant["qat_full_minus_full_no_qat_ppl"],
                  quant["ptq_degradation_ppl"], quant["qat_recovery_resolved"])
+        if "qat_recovery_facts_ppl" in quant:
+            log.info("sft: facts: PTQ costs %.2f%% answer ppl and %.2f accuracy points; QAT recovers %s (ppl) "
+                     "and %s (accuracy)", quant["ptq_degradation_facts_ppl_pct"],
+                     quant["ptq_degradation_facts_acc_points"], quant["qat_recovery_facts_ppl"],
+                     quant["qat_recovery_facts_acc"])
+        for key, v in quant.get("spread", {}).items():
+            log.info("sft: over %d seeds %s = %.4f +- %.4f", cfg.seeds, key, v["mean"], v["std"])
 
     export_all(load_state(out / STATE_FILE).eval(), cfg.qat, out / "export", tok_dir)
     evals = json.loads((out / "eval.json").read_text())

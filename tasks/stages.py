@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -44,7 +45,8 @@ def publish_prefect_artifacts(runner: Runner, result: StageResult) -> None:
     for f in m.files:
         if f.path.endswith(".png") and f.size < 2_000_000:
             data = base64.b64encode(runner.store.get_bytes(f"{base}/{f.path}")).decode()
-            slug = f.path.rsplit("/", 1)[-1][:-4].lower().replace("_", "-").replace(".", "-")
+            # the whole path: dsa-adapt writes loss.png, full/loss.png and swa/loss.png
+            slug = re.sub(r"[^a-z0-9]+", "-", f.path[:-4].lower()).strip("-")
             create_markdown_artifact(
                 key=f"{result.name}-{slug}",
                 markdown=f"### {result.name}: {f.path}\n\n![{f.path}](data:image/png;base64,{data})",

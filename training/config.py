@@ -31,6 +31,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from evals import long_context
+from training.synthetic import SyntheticConfig
 
 Optimizer = Literal["muon", "muon_split", "deepspeed_muon", "adamw"]
 CLIENT_MUON = ("muon", "muon_split")
@@ -143,6 +144,8 @@ class PretrainConfig(TrainConfig):
 
     model_preset: Literal["tiny", "small", "glm5"] = "tiny"
     model_overrides: dict[str, Any] = Field(default_factory=dict)
+    synthetic: SyntheticConfig | None = Field(None, description="synthetic token tasks added to the "
+                                              "packed text (training.synthetic); reserves ids above the tokenizer's")
 
     @model_validator(mode="after")
     def _check_model(self) -> "PretrainConfig":
@@ -215,6 +218,8 @@ class LongDataConfig(TrainConfig):
     mix: MixConfig = MixConfig()
     val_fraction: float = Field(0.05, gt=0, lt=1)
     retrieval: RetrievalDocsConfig = RetrievalDocsConfig(docs_per_task=0)
+    synthetic: SyntheticConfig | None = Field(None, description="synthetic token tasks at this phase's "
+                                              "seq_len; the model must have been pretrained with them")
 
     @model_validator(mode="after")
     def _check_retrieval(self) -> "LongDataConfig":

@@ -47,6 +47,7 @@ from model.model import GLMModel
 from training.config import LongDataConfig, Optimizer, RetrievalDocsConfig
 from training.data import eval_batches
 from training.dsa_loss import forward_kwargs, query_rows, warmup_indexer_loss
+from training import synthetic
 from training.longdata import pack_stage_data
 from training.objectives import DsaSparseSpec, DsaWarmupSpec, LMSpec
 from training.stages import train_stage
@@ -63,13 +64,21 @@ class LongEvalConfig(BaseModel):
 
     lengths: tuple[int, ...] = (256, 512, 1024)
     n_per_task: int = Field(10, ge=1)
-    tasks: tuple[str, ...] = long_context.TASKS
+    tasks: tuple[str, ...] = Field(long_context.TASKS, description="the text (needle) tasks; may be "
+                                   "empty when mqar_docs > 0")
+    mqar_docs: int = Field(0, ge=0, description="MQAR documents per length (training.synthetic layout, "
+                           "every key queried once); needs a model pretrained with synthetic data")
+    mqar_pairs: int = Field(16, ge=1, le=synthetic.KEYS)
     seed: int = 0
     swa_fraction: float = Field(0.25, gt=0, lt=1, description="SWA window = this x the shortest length")
 
     @model_validator(mode="after")
     def _check(self) -> "LongEvalConfig":
-        long_context.check_lengths_and_tasks(self.lengths, self.tasks, "long_eval.")
+        if self.tasks or not self.mqar_docs:
+            long_context.check_lengths_and_tasks(self.lengths, self.tasks, "long_eval.")
+        if self.mqar_docs:   # fails here, not after training, when a length cannot hold the pairs
+            for n in self.lengths:
+                synthetic.mqar_spec(synthetic.FIRST_FILLER_ID + 1, n, self.mqar_pairs)
         return self
 
 
@@ -154,15 +163,20 @@ def without_indexers(init: Path, cfg: ModelConfig, out: Path) -> Path:
     return out
 
 
-def long_context_table(models: dict[str, Path], tokenizer_dir: Path, cfg: LongEvalConfig
+def long_context_table(models: dict[str, Path], tokenizer_dir: Path, cfg: LongEvalConfig, window: int
                        ) -> tuple[dict[str, dict[int, float]], dict[str, dict]]:
-    """Every model on ONE generated suite -> ({method: {length: overall acc}}, per-task detail)."""
+    """Every model on ONE generated suite -> ({method: {length: acc, the mean over tasks}},
+    per-task detail). MQAR (cfg.mqar_docs) also reports "mqar_beyond_window": the accuracy on the
+    queries whose key lies `window` or more tokens back, out of a sliding window's reach."""
     from tokenizers import Tokenizer
 
     from data_processing.tokenizer import TOKENIZER_FILE
+    from evals.mqar import mqar_accuracy
 
     tok = Tokenizer.from_file(str(Path(tokenizer_dir) / TOKENIZER_FILE))
-    examples = long_context.generate_suite(tok, cfg.lengths, cfg.n_per_task, cfg.seed, long_context.default_filler_texts(), cfg.tasks)
+    base = tok.get_vocab_size()
+    examples = (long_context.generate_suite(tok, cfg.lengths, cfg.n_per_task, cfg.seed,
+                                            long_context.default_filler_texts(), cfg.tasks) if cfg.tasks else [])
     table, detail = {}, {}
     for name, path in models.items():
         model = load_state(path).eval()
@@ -170,9 +184,19 @@ def long_context_table(models: dict[str, Path], tokenizer_dir: Path, cfg: LongEv
         if too_long:
             raise ValueError(f"long_eval.lengths {too_long} exceed max_position_embeddings="
                              f"{model.config.max_position_embeddings}")
-        acc = long_context.evaluate(model, tok, examples)
-        table[name] = {int(n): acc["overall"][n] for n in cfg.lengths}
-        detail[name] = {task: {int(n): a for n, a in by_len.items()} for task, by_len in acc.items()}
+        acc = long_context.evaluate(model, tok, examples) if examples else {}
+        by_task = {task: {int(n): a for n, a in by_len.items()} for task, by_len in acc.items() if task != "overall"}
+        if cfg.mqar_docs:
+            synthetic.check_vocab(model.config.vocab_size, base, "long_eval.mqar_docs")
+            by_task["mqar"], by_task["mqar_beyond_window"] = {}, {}
+            for n in cfg.lengths:
+                r = mqar_accuracy(model, synthetic.mqar_spec(base, n, cfg.mqar_pairs), cfg.mqar_docs,
+                                  f"eval/{cfg.seed}/{n}", windows=(window,))
+                by_task["mqar"][int(n)] = r["acc"]
+                by_task["mqar_beyond_window"][int(n)] = r[f"acc_beyond_{window}"]
+        scored = [t for t in by_task if t != "mqar_beyond_window"]
+        table[name] = {int(n): sum(by_task[t][int(n)] for t in scored) / len(scored) for n in cfg.lengths}
+        detail[name] = {**by_task, "overall": table[name]}
         log.info("dsa-adapt: long-context accuracy %s %s", name, table[name])
     return table, detail
 
@@ -245,7 +269,7 @@ def run_adapt(cfg: DsaAdaptConfig, inputs: dict[str, Path], workdir: Workdir) ->
                                  objective=objective)
         weights[name] = out / STATE_FILE
 
-    table, detail = long_context_table(weights, inputs["tokenize"], cfg.long_eval)
+    table, detail = long_context_table(weights, inputs["tokenize"], cfg.long_eval, configs["swa"].sliding_window)
     (workdir.out / "long_context.json").write_text(json.dumps({"accuracy": table, "by_task": detail}, indent=1))
     probe_path = Path(inputs["dsa-warmup"]) / PROBE_FILE
     probe = json.loads(probe_path.read_text()) if probe_path.exists() else {}

@@ -29,6 +29,7 @@ from data_processing.packing import WHOLE, PackConfig, pack, repo_documents
 from data_processing.tokenizer import load_tokenizer
 from evals import long_context
 from glmforge.stage import Workdir
+from training import synthetic
 from training.config import LongDataConfig, MixConfig
 
 MARKER = "PACKED"
@@ -94,15 +95,20 @@ def pack_stage_data(cfg: LongDataConfig, inputs: dict[str, Path], workdir: Workd
     """A long-data stage's mix + its retrieval documents, packed once into
     workdir.checkpoint/packed (persisted, so a retried stage does not pack again)."""
     data_dir = workdir.checkpoint / "packed"
-    if (data_dir / MARKER).exists():        # a retry: skip generating the documents again
-        return data_dir, json.loads((data_dir / MARKER).read_text())
+    text_dir = workdir.checkpoint / "packed-text" if cfg.synthetic else data_dir
+    if (data_dir / (synthetic.MARKER if cfg.synthetic else MARKER)).exists():   # a retry: reuse it
+        return data_dir, json.loads((text_dir / MARKER).read_text())
     r = cfg.retrieval
     extra = long_context.key_value_documents(r.key_value_docs, r.seed)
     if r.docs_per_task:
         tok = load_tokenizer(Path(inputs["tokenize"]))
         extra += long_context.training_documents(tok, r.lengths, r.docs_per_task, r.seed,
                                                  long_context.default_filler_texts(), r.tasks)
-    meta = pack_long(inputs["decontaminate"], inputs["tokenize"], data_dir, cfg.seq_len, cfg.mix,
-                     cfg.val_fraction, workdir.seed + cfg.seed_offset, extra=extra)
+    seed = workdir.seed + cfg.seed_offset
+    meta = pack_long(inputs["decontaminate"], inputs["tokenize"], text_dir, cfg.seq_len, cfg.mix,
+                     cfg.val_fraction, seed, extra=extra)
+    if cfg.synthetic:
+        base = load_tokenizer(Path(inputs["tokenize"])).get_vocab_size()
+        synthetic.mix_into(text_dir, data_dir, cfg.synthetic, base, seed)
     workdir.persist_checkpoint()
     return data_dir, meta

@@ -32,7 +32,7 @@ from glmforge.stage import Workdir
 from model.config import ModelConfig, preset
 from model.hf import artifact_weights, state_config
 from model.info import param_counts
-from training import checkpoint, metrics
+from training import checkpoint, metrics, synthetic
 from training.config import ContextConfig, PretrainConfig, TrainConfig
 from training.launch import run_ranks
 from training.longdata import pack_stage_data
@@ -45,8 +45,10 @@ CONTEXT_STAGES = ("context-1", "context-2", "context-3")
 
 
 def model_config_for(cfg: PretrainConfig, tokenizer_vocab: int) -> ModelConfig:
-    """The preset + overrides, with the tokenizer's vocabulary (a larger explicit vocab_size is
-    kept, e.g. padded to a multiple of 64; a smaller one cannot embed every token)."""
+    """The preset + overrides, with the tokenizer's vocabulary plus the synthetic tasks' reserved
+    ids when the config has them (a larger explicit vocab_size is kept, e.g. padded to a multiple
+    of 64; a smaller one cannot embed every token)."""
+    tokenizer_vocab += synthetic.RESERVED_IDS if cfg.synthetic else 0
     over = dict(cfg.model_overrides)
     vocab = over.pop("vocab_size", tokenizer_vocab)
     if vocab < tokenizer_vocab:
@@ -79,6 +81,8 @@ def train_stage(name: str, cfg: TrainConfig, model_cfg: ModelConfig, data_dir: P
     vocab = load_tokenizer(tokenizer_dir).get_vocab_size()
     if vocab > model_cfg.vocab_size:
         raise ValueError(f"{name}: tokenizer has {vocab} tokens, the model's vocab_size is {model_cfg.vocab_size}")
+    if "synthetic" in train_ds.meta:
+        synthetic.check_vocab(model_cfg.vocab_size, train_ds.meta["synthetic"]["base"], name)
     total = cfg.steps_for(seq_len)
     per_rank = len(train_ds) // cfg.launch.world_size
     if per_rank < cfg.micro_batch_size:
@@ -141,8 +145,15 @@ def publish(name: str, workdir: Workdir, model_cfg: ModelConfig, cfg: TrainConfi
 # ---------------------------------------------------------------- stage functions
 def run_pretrain(cfg: PretrainConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
     tok_dir = inputs["tokenize"]
-    model_cfg = model_config_for(cfg, load_tokenizer(tok_dir).get_vocab_size())
-    return train_stage("pretrain", cfg, model_cfg, inputs["pack"], tok_dir, workdir)
+    base = load_tokenizer(tok_dir).get_vocab_size()
+    model_cfg = model_config_for(cfg, base)
+    data_dir = inputs["pack"]
+    if cfg.synthetic:
+        data_dir = workdir.checkpoint / "packed"
+        meta = synthetic.mix_into(inputs["pack"], data_dir, cfg.synthetic, base, workdir.seed + cfg.seed_offset)
+        workdir.persist_checkpoint()
+    result = train_stage("pretrain", cfg, model_cfg, data_dir, tok_dir, workdir)
+    return {**result, **({"synthetic": meta["synthetic"]} if cfg.synthetic else {})}
 
 
 def _context_run(name: str, previous: str):

@@ -319,6 +319,52 @@ def test_sft_stage_with_qat_checkpoints_resumes_and_reports_int4(packed, tmp_pat
     assert again["quantization"]["full"]["ppl"] == q["full"]["ppl"]
 
 
+def test_seed_pairs_and_fact_recall_give_the_quantization_spread(packed, tokenizer, tmp_path, caplog):
+    from posttrain.sft import SPREAD_KEYS
+    from training.synthetic import RESERVED_IDS
+
+    parent = tmp_path / BASE
+    torch.manual_seed(0)
+    vocab = tokenizer.get_vocab_size() + RESERVED_IDS
+    save_state(GLMModel(tiny().replace(**{**MODEL_OVERRIDES, "vocab_size": vocab})), parent / "consolidated.safetensors")
+    cfg = _config(max_steps=1, checkpoint_every=1, seeds=2, eval_facts=2, eval_gsm8k=0,
+                  synthetic={"docs": [{"task": "facts", "length": 66, "count": 16}]})
+    with caplog.at_level(logging.INFO, logger="glmforge"):
+        result = run_sft(cfg, {BASE: parent, "tokenize": packed["tokenize"]}, Workdir.at(tmp_path / "sft", seed=3))
+    assert result["data"]["synthetic"]["docs"] == [{"task": "facts", "length": 66, "count": 16}]
+    assert [s["seed_offset"] for s in result["seeds"]] == [0, 1]
+    assert result["seeds"][0]["quantization"] == result["quantization"]          # seed 0 is the published pair
+    assert result["seeds"][1]["quantization"]["full"]["ppl"] != result["quantization"]["full"]["ppl"]
+    for row in result["quantization"].values():
+        assert 0 <= row["facts_acc"] <= 1 and row["facts_ppl"] > 1 and row["facts_n"] == 44
+    assert set(result["spread"]) <= set(SPREAD_KEYS) and "ptq_degradation_facts_ppl_pct" in result["spread"]
+    sp = result["spread"]["ptq_degradation_facts_ppl_pct"]
+    assert sp["values"] == [s["ptq_degradation_facts_ppl_pct"] for s in result["seeds"]]
+    assert sp["mean"] == pytest.approx(sum(sp["values"]) / 2)
+    assert sp["std"] == pytest.approx(abs(sp["values"][0] - sp["values"][1]) / math.sqrt(2))
+    assert "over 2 seeds" in caplog.text
+    with pytest.raises(ValueError, match="reserved ids"):     # a model without the reserved ids
+        save_state(_model(), tmp_path / "plain" / "consolidated.safetensors")
+        run_sft(_config(max_steps=2, checkpoint_every=2, eval_facts=2, eval_gsm8k=0, ptq_baseline=False),
+                {BASE: tmp_path / "plain", "tokenize": packed["tokenize"]}, Workdir.at(tmp_path / "sft2"))
+
+
+def test_fact_summary_is_the_ptq_cost_and_qat_share_on_the_facts():
+    from posttrain.sft import spread
+
+    table = {"full": {"ppl": 10.0, "facts_ppl": 1.05, "facts_acc": 0.95},
+             "qat_int4": {"ppl": 10.2, "facts_ppl": 1.07, "facts_acc": 0.93},
+             "full_no_qat": {"ppl": 10.0, "facts_ppl": 1.04, "facts_acc": 0.96},
+             "ptq_int4": {"ppl": 10.5, "facts_ppl": 1.144, "facts_acc": 0.86}}
+    got = summarize(table)
+    assert got["ptq_degradation_facts_ppl_pct"] == pytest.approx(10.0)
+    assert got["ptq_degradation_facts_acc_points"] == pytest.approx(10.0)
+    assert got["qat_recovery_facts_ppl"] == pytest.approx(0.074 / 0.104)
+    assert got["qat_recovery_facts_acc"] == pytest.approx(0.7)
+    assert spread([got, {**got, "qat_recovery_facts_acc": 0.5}])["qat_recovery_facts_acc"] == {
+        "mean": pytest.approx(0.6), "std": pytest.approx(math.sqrt(0.02)), "values": [pytest.approx(0.7), 0.5]}
+
+
 # ---------------------------------------------------------------- the held-out scores
 V = 512
 

@@ -224,9 +224,9 @@ def test_long_context_table_scores_each_model_on_one_suite(packed, monkeypatch):
     right = {"full": suite, "dsa": single[:1] + multi, "swa": []}
     models = {name: Scripted(tok, {ex.prompt: ex.answer for ex in exs}) for name, exs in right.items()}
     monkeypatch.setattr(dsa, "load_state", lambda path: models[Path(path).name])
-    table, detail = dsa.long_context_table({name: Path(name) for name in right}, packed["tokenize"], cfg)
+    table, detail = dsa.long_context_table({name: Path(name) for name in right}, packed["tokenize"], cfg, 64)
     assert table == {"full": {L: 1.0}, "dsa": {L: 0.75}, "swa": {L: 0.0}}
     assert detail["dsa"] == {"single_key": {L: 0.5}, "multi_key": {L: 1.0}, "overall": {L: 0.75}}
     models["swa"] = Scripted(tok, {}, max_position_embeddings=L - 1)
     with pytest.raises(ValueError, match=rf"long_eval\.lengths \[{L}\] exceed max_position_embeddings={L - 1}"):
-        dsa.long_context_table({"swa": Path("swa")}, packed["tokenize"], cfg)
+        dsa.long_context_table({"swa": Path("swa")}, packed["tokenize"], cfg, 64)

@@ -200,3 +200,32 @@ def test_context_phase_continues_from_pretrain_on_packed_long_documents(referenc
     assert hf["rope_parameters"]["rope_theta"] == 40000.0 and hf["max_position_embeddings"] >= 128
     assert (wd.out / "consolidated.safetensors").is_file()
     assert persisted == ["(no checkpoint)", "step_00000003", "step_00000006"]  # packed data, then each checkpoint
+
+
+def test_synthetic_tasks_reserve_ids_and_a_later_phase_needs_them(reference, packed, tmp_path):
+    from data_processing.document import ShardWriter
+    from data_processing.tokenizer import load_tokenizer
+    from glmforge.pipeline import get_stage
+    from model.hf import STATE_FILE, state_config
+    from training.config import ContextConfig
+    from training.synthetic import RESERVED_IDS
+
+    synthetic = {"docs": [{"task": "copy", "length": 32, "count": 40}, {"task": "mqar", "length": 64, "count": 10}],
+                 "mqar_pairs": 8}
+    wd, _ = workdir(tmp_path / "pretrain")
+    result = run_pretrain(config(max_steps=2, checkpoint_every=2, launch={"nproc_per_node": 1}, synthetic=synthetic),
+                          packed, wd)
+    base = load_tokenizer(packed["tokenize"]).get_vocab_size()
+    assert state_config(wd.out / STATE_FILE).vocab_size == base + RESERVED_IDS
+    assert result["synthetic"]["base"] == base and (wd.checkpoint / "packed" / "MIXED").exists()
+    # a phase that adds synthetic documents to a model pretrained without them is refused
+    w = ShardWriter(tmp_path / "decontaminate", 100)
+    w.write_all(stdlib_docs(20))
+    w.close()
+    cfg = ContextConfig(seq_len=128, max_steps=2, checkpoint_every=2, micro_batch_size=1, eval_sequences=4,
+                        mix={"sources": {"stdlib": 1.0}}, synthetic=synthetic)
+    ref_wd, _, _ = reference
+    inputs = {"pretrain": ref_wd.out, "decontaminate": tmp_path / "decontaminate", "tokenize": packed["tokenize"]}
+    with pytest.raises(ValueError, match=rf"context-1: synthetic tasks need vocab_size >= tokenizer's {base} "
+                                         rf"\+ {RESERVED_IDS} reserved ids"):
+        get_stage("context-1").run(cfg, inputs, workdir(tmp_path / "context-1")[0])
