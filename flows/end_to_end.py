@@ -5,7 +5,7 @@ from typing import Any
 
 from prefect import flow
 
-from glmforge.config import load_config, pipeline_model
+from glmforge.config import check_preemptions, load_config, pipeline_model
 from glmforge.pipeline import STAGES, get_stage, stages_until
 from glmforge.runner import Runner, RunRecord, execute
 from tasks.stages import run_in_prefect
@@ -23,9 +23,12 @@ def pipeline(
     overrides: list[str] | None = None,
     store: str | None = None,
     until: str | None = None,
+    preemptions: int = 0,
 ) -> dict[str, Any]:
-    """Run every stage (or those `until` needs) in order; published stages are skipped."""
+    """Run every stage (or those `until` needs) in order; published stages are skipped.
+    `preemptions`: how many preempted runs this one continues (deployments/automations.yaml)."""
     cfg = load_config(None if config_file else preset, config_file, overrides)
+    check_preemptions(preemptions, cfg.tasks)
     specs = stages_until(until)
     runner = Runner(cfg, configured_store(cfg.store, store), STAGES)
     record = RunRecord.new(cfg, _source(preset, config_file, overrides, until), [s.name for s in specs])
@@ -41,6 +44,7 @@ def stage(
     overrides: list[str] | None = None,
     store: str | None = None,
     run_id: str | None = None,
+    preemptions: int = 0,
 ) -> dict[str, Any]:
     """Run one stage from its last checkpoint, reusing the published artifacts upstream.
 
@@ -48,6 +52,7 @@ def stage(
     `glmforge status` shows the resumed stage in the run it belongs to."""
     spec = get_stage(stage)
     given = load_config(None if config_file else preset, config_file, overrides)
+    check_preemptions(preemptions, given.tasks)
     st = configured_store(given.store, store)
     if run_id:
         record = RunRecord.load(st, run_id)

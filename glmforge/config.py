@@ -43,6 +43,18 @@ class TaskConfig(BaseModel):
 
     retries: int = Field(default=2, ge=0)
     retry_delay_seconds: float = Field(default=5.0, ge=0)
+    max_preemptions: int = Field(default=10, ge=0, description=(
+        "automatic reruns of a preempted deployment run in a row (deployments/automations.yaml); "
+        "past it the run is left for `glmforge resume`"))
+
+
+def check_preemptions(preemptions: int, tasks: TaskConfig) -> None:
+    """Refuse an automatic rerun past tasks.max_preemptions: a run preempted before its first
+    step would otherwise be rerun forever. The message must not read as a preemption itself."""
+    if preemptions > tasks.max_preemptions:
+        raise RuntimeError(f"preempted {preemptions} times in a row, more than tasks.max_preemptions="
+                           f"{tasks.max_preemptions}: not rerun automatically again; `glmforge resume STAGE` "
+                           "continues it")
 
 
 @lru_cache(maxsize=1)

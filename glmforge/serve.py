@@ -15,6 +15,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PREFECT = str(Path(sys.executable).parent / "prefect")
+# reruns a flow run that a preemption ended (see the file)
+AUTOMATIONS = REPO_ROOT / "deployments" / "automations.yaml"
 
 
 def pool_prefect_yaml(src: Path, pool: str, dest: Path) -> Path:
@@ -79,6 +81,17 @@ class LocalPrefect:
             spec = pool_prefect_yaml(REPO_ROOT / "prefect.yaml", self.pool, Path(tmp) / "prefect.yaml")
             subprocess.run([PREFECT, "--no-prompt", "deploy", "--all", "--prefect-file", str(spec)],
                            env={**self.env, "PWD": str(REPO_ROOT)}, cwd=REPO_ROOT, check=True, stdout=subprocess.DEVNULL)
+        self.install_automations()
+
+    def install_automations(self, path: Path = AUTOMATIONS) -> None:
+        """Create the automations of `path`, replacing any of the same name (a server that
+        outlives `glmforge serve` keeps them, and a second create would double every rerun)."""
+        import yaml
+
+        for a in yaml.safe_load(path.read_text())["automations"]:
+            subprocess.run([PREFECT, "--no-prompt", "automation", "delete", a["name"]], env=self.env, cwd=REPO_ROOT,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # absent the first time
+        self._prefect("automation", "create", "--from-file", str(path))
 
     def start_worker(self) -> None:
         self.worker = self._popen(["worker", "start", "--pool", self.pool, "--limit", "1"], "worker")

@@ -55,8 +55,8 @@ def publish_prefect_artifacts(runner: Runner, result: StageResult) -> None:
 
 def _retry_unless_preempted(task, task_run, state) -> bool:
     """A preempted stage is not retried in this process (it is being shut down: a pod eviction,
-    `docker stop`); it ends Failed with a "Preempted" message and the run's own retry (the
-    deployment's, `glmforge resume`) continues from the checkpoint it wrote."""
+    `docker stop`); it ends Failed with a "Preempted" message, and the rerun (the automation of
+    deployments/automations.yaml, or `glmforge resume`) continues from the checkpoint it wrote."""
     data = getattr(state, "data", None)
     return not isinstance(data, Preempted) and "Preempted" not in (state.message or "")
 

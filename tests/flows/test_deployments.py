@@ -1,12 +1,17 @@
 """Per-stage deployments (prefect.yaml's glmforge-stage/stage-*) run by a process worker on a
 local Prefect server, against a store a pipeline run already filled: a stage with parents
-resumes into its run as cached, a training stage with a changed config trains and publishes."""
+resumes into its run as cached, a training stage with a changed config trains and publishes,
+and a training stage preempted by SIGTERM is rerun by the automation of
+deployments/automations.yaml and continues from its checkpoint."""
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -56,9 +61,75 @@ def test_stage_deployments_with_parents_run_on_a_process_worker(tiny_run, tmp_pa
         # pretrain with fewer steps: a new key, its parents (pack, tokenize) reused, trained now
         deployment_run("stage-pretrain", {"preset": "tiny", "overrides": [*FAST, "pretrain.max_steps=2"],
                                           "store": store})
-    latest = _status(tiny_run.home)
-    assert [s["name"] for s in latest["stages"]] == ["pretrain"] and latest["run"]["state"] == "completed"
-    shown = _stage(latest, "pretrain")
-    assert shown["state"] == "done" and shown["key"] != tiny_run.keys["pretrain"]
-    assert shown["metrics"]["steps"] == 2 and shown["metrics"]["resumed_from_step"] == 0
-    assert shown["artifact"].endswith(f"artifacts/pretrain/{shown['key']}")
+        latest = _status(tiny_run.home)
+        assert [s["name"] for s in latest["stages"]] == ["pretrain"] and latest["run"]["state"] == "completed"
+        shown = _stage(latest, "pretrain")
+        assert shown["state"] == "done" and shown["key"] != tiny_run.keys["pretrain"]
+        assert shown["metrics"]["steps"] == 2 and shown["metrics"]["resumed_from_step"] == 0
+        assert shown["artifact"].endswith(f"artifacts/pretrain/{shown['key']}")
+
+        _preempted_run_is_rerun_by_the_automation(local, tiny_run.home, store, tmp_path)
+
+
+def _flow_runs(local, deployment: str) -> list[dict]:
+    body = json.dumps({"deployments": {"name": {"any_": [deployment]}}, "sort": "EXPECTED_START_TIME_ASC"}).encode()
+    req = urllib.request.Request(f"{local.url}/flow_runs/filter", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def _flow_run_process(worker_pid: int, flow_run_id: str):
+    """The process the worker started for `flow_run_id` (its children carry the same id)."""
+    import psutil
+
+    for p in psutil.Process(worker_pid).children(recursive=True):
+        try:
+            if p.environ().get("PREFECT__FLOW_RUN_ID") == flow_run_id and \
+                    p.parent().environ().get("PREFECT__FLOW_RUN_ID") != flow_run_id:
+                return p
+        except psutil.Error:
+            continue
+    return None
+
+
+def _preempted_run_is_rerun_by_the_automation(local, home: Path, store: str, tmp_path: Path) -> None:
+    steps = 40
+    params = {"preset": "tiny", "overrides": [*FAST, f"pretrain.max_steps={steps}", "pretrain.checkpoint_every=2"],
+              "store": store}
+    t0 = time.time()
+    subprocess.run([PREFECT, "deployment", "run", "glmforge-stage/stage-pretrain", "--params", json.dumps(params)],
+                   env=local.env, cwd=REPO, capture_output=True, check=True, timeout=120)
+    [first] = [r for r in _flow_runs(local, "stage-pretrain") if r["parameters"].get("overrides") == params["overrides"]]
+
+    def logs() -> str:
+        return (tmp_path / "worker.log").read_text()[-6000:]
+
+    # SIGTERM the flow-run process (a pod eviction) once the stage has trained a few steps
+    deadline, sent = time.monotonic() + 600, False
+    while time.monotonic() < deadline and not sent:
+        logged = [m for m in home.glob("work/pretrain/*/checkpoint/metrics.jsonl") if m.stat().st_mtime > t0]
+        if logged and len(logged[0].read_text().splitlines()) >= 3:
+            proc = _flow_run_process(local.worker.pid, first["id"])
+            assert proc is not None, logs()
+            proc.send_signal(signal.SIGTERM)
+            sent = True
+        time.sleep(0.2)
+    assert sent, "the preempted run never trained 3 steps\n" + logs()
+
+    # the automation reruns the deployment with preemptions=1; the rerun resumes and completes
+    deadline, runs = time.monotonic() + 600, []
+    while time.monotonic() < deadline:
+        runs = [r for r in _flow_runs(local, "stage-pretrain") if r["parameters"].get("overrides") == params["overrides"]]
+        if any(r["state_type"] in ("COMPLETED", "FAILED", "CRASHED") and r["parameters"].get("preemptions") == 1
+               for r in runs):
+            break
+        time.sleep(2)
+    states = [(r["state_type"], r["state"]["message"], r["parameters"].get("preemptions")) for r in runs]
+    assert len(runs) == 2, (states, logs())
+    assert runs[0]["state_type"] == "FAILED" and "Preempted: " in runs[0]["state"]["message"], states
+    assert runs[1]["state_type"] == "COMPLETED" and runs[1]["parameters"]["preemptions"] == 1, (states, logs())
+    assert {k: runs[1]["parameters"][k] for k in params} == params and runs[1]["parameters"]["stage"] == "pretrain"
+
+    shown = _stage(_status(home), "pretrain")
+    assert shown["state"] == "done" and shown["metrics"]["steps"] == steps
+    assert 2 <= shown["metrics"]["resumed_from_step"] < steps, shown["metrics"]

@@ -352,5 +352,13 @@ def test_a_preempted_task_ends_failed_preempted_without_an_in_process_retry(pref
 
     state = one_stage(return_state=True)
     assert state.is_failed() and "Preempted" in state.message
+    # the message the rerun automations (deployments/automations.yaml) match on
+    import fnmatch
+
+    import yaml
+
+    from glmforge.serve import AUTOMATIONS
+    for a in yaml.safe_load(AUTOMATIONS.read_text())["automations"]:
+        assert fnmatch.fnmatchcase(state.message, a["trigger"]["match"]["prefect.state-message"]), a["name"]
     assert calls == [1]                                   # retries=2, yet not retried in this process
     assert RunRecord.load(runner.store, record.id).state == "interrupted"
