@@ -651,7 +651,7 @@ def summary(res: dict[str, Any]) -> str:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    lines = [f"# GPU check report", "",
+    lines = ["# GPU check report", "",
              f"- created: {report['created']}", f"- commit: {report['commit'] or 'unknown'}",
              f"- host: {report['host']}", f"- cuda: {report['cuda']}", f"- dry run: {report['dry_run']}",
              f"- command: `{report['command']}`", "",

@@ -169,7 +169,7 @@ class GLMModel(nn.Module):
         """D shared-parameter steps. Step k at position t reads token x_{t+k} and predicts
         labels[t+k] (= x_{t+k+1}); positions whose window crosses the sequence end or a document
         boundary are ignored. Causal attention keeps the padded tail from leaking backwards."""
-        cfg, T = self.config, input_ids.shape[1]
+        cfg = self.config
         h, losses, mtp_idx = h0, {}, []
         for k in range(1, cfg.mtp_depth + 1):
             ids_k = F.pad(input_ids[:, k:], (0, k), value=0)                     # x_{t+k}

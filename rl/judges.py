@@ -24,7 +24,6 @@ import math
 import queue
 import re
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 

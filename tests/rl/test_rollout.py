@@ -96,7 +96,6 @@ def test_several_minibatch_steps_let_the_clip_act(tokenizer):
 
 
 def test_zero_variance_groups_get_zero_advantage(tokenizer):
-    model = small_model(tokenizer.get_vocab_size())
     samples = _samples(tokenizer, 2, 3)
     for s in samples:
         s.response_ids, s.loss_mask, s.rollout_logprobs = [1], [1], [0.0]

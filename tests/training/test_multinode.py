@@ -58,4 +58,4 @@ def test_hostfile_and_node_commands_from_config():
     tr = LaunchConfig(nproc_per_node=8, nnodes=3, master_addr="10.0.0.1", master_port=29500)
     cmds = node_commands(tr, REPO / "spec.json")
     assert [[a for a in c if a.startswith(("--node_rank", "--master_addr", "--nnodes"))] for c in cmds] == [
-        [f"--nnodes=3", f"--node_rank={n}", "--master_addr=10.0.0.1"] for n in range(3)]
+        ["--nnodes=3", f"--node_rank={n}", "--master_addr=10.0.0.1"] for n in range(3)]
