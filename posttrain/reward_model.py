@@ -283,7 +283,7 @@ def run_reward_model(cfg: RewardModelConfig, inputs: dict[str, Path], workdir: W
         gnorm = torch.nn.utils.clip_grad_norm_([p for p in rm.parameters() if p.requires_grad], cfg.grad_clip)
         opt.step()
         rec = {"step": step, "loss": float(loss.detach()), "train_pair_accuracy": pairwise_accuracy(c.detach(), r.detach()),
-               "margin": float((c - r).mean()), "grad_norm": float(gnorm)}
+               "margin": float((c - r).detach().mean()), "grad_norm": float(gnorm)}
         metrics.append(log_path, rec)
         workdir.progress(step, cfg.steps, f"reward-model loss {rec['loss']:.3f}")
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
