@@ -21,9 +21,9 @@ demo: setup
 	$(VENV)/bin/glmforge run --preset tiny
 	$(VENV)/bin/glmforge status
 
-# the long-context effect (DSA vs full vs SWA) on the small preset: about 25 minutes on 2 cores
+# the recipe's effects on the small preset (README): DSA vs full vs SWA, then QAT vs PTQ in SFT
 effects: setup
-	$(VENV)/bin/glmforge run --preset small --until dsa-adapt
+	$(VENV)/bin/glmforge run --preset small --until sft
 	$(VENV)/bin/glmforge status
 
 test: setup
