@@ -21,7 +21,8 @@ demo: setup
 	$(VENV)/bin/glmforge run --preset tiny
 	$(VENV)/bin/glmforge status
 
-# the recipe's effects on the small preset (README): DSA vs full vs SWA, then QAT vs PTQ in SFT
+# the recipe's effects on the small preset (README): DSA vs full vs SWA, then QAT vs PTQ in SFT;
+# about an hour on 2 cores
 effects: setup
 	$(VENV)/bin/glmforge run --preset small --until sft
 	$(VENV)/bin/glmforge status
