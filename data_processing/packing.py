@@ -253,6 +253,21 @@ def run(cfg: PackConfig, inputs: dict[str, Path], workdir: Workdir) -> dict:
     }
 
 
+def _add_whole(w: "_SplitWriter", split: str, samples, seq_len: int) -> tuple[int, int]:
+    """Append whole samples (ids, loss mask), a sample that does not fit starting a new sequence;
+    -> (tokens, target tokens). A sample longer than seq_len is a ValueError."""
+    n_tokens = n_targets = 0
+    for i, (ids, mask) in enumerate(samples):
+        if len(ids) > seq_len:
+            raise ValueError(f"{split} sample {i} has {len(ids)} tokens, more than seq_len={seq_len}")
+        if len(ids) > w.room():
+            w.pad_sequence()
+        w.add(list(ids), list(mask))
+        n_tokens += len(ids)
+        n_targets += int(sum(mask))
+    return n_tokens, n_targets
+
+
 def pack_samples(splits: dict[str, list[tuple[list[int], list[int]]]], out: Path, seq_len: int, pad_id: int,
                  eos_id: int, sequences_per_shard: int = 8192, extra_meta: dict | None = None) -> dict:
     """Pack whole samples (ids, loss mask) in the given order, never splitting one: a sample that
@@ -264,15 +279,7 @@ def pack_samples(splits: dict[str, list[tuple[list[int], list[int]]]], out: Path
                             "loss_mask": True, "splits": {}, **(extra_meta or {})}
     for split, samples in splits.items():
         w = _SplitWriter(out, split, seq_len, sequences_per_shard, pad_id, loss_mask=True)
-        n_tokens = n_targets = 0
-        for i, (ids, mask) in enumerate(samples):
-            if len(ids) > seq_len:
-                raise ValueError(f"{split} sample {i} has {len(ids)} tokens, more than seq_len={seq_len}")
-            if len(ids) > w.room():
-                w.pad_sequence()
-            w.add(list(ids), list(mask))
-            n_tokens += len(ids)
-            n_targets += int(sum(mask))
+        n_tokens, n_targets = _add_whole(w, split, samples, seq_len)
         w.close()
         meta["splits"][split] = {"sequences": w.total, "shards": w.shards, "documents": len(samples),
                                  "tokens": n_tokens, "target_tokens": n_targets, "pad_tokens": w.pad_tokens}
@@ -302,12 +309,7 @@ def with_samples(src: Path, out: Path, samples: dict[str, list[tuple[list[int], 
                 if b > a:
                     w.add(ids[a:b], mask[a:b])
         extra = samples.get(split, [])
-        for i, (ids, mask) in enumerate(extra):
-            if len(ids) > seq_len:
-                raise ValueError(f"{split} sample {i} has {len(ids)} tokens, more than seq_len={seq_len}")
-            if len(ids) > w.room():
-                w.pad_sequence()
-            w.add(list(ids), list(mask))
+        _add_whole(w, split, extra, seq_len)
         w.close()
         meta["splits"][split] = {**src_meta["splits"][split], "sequences": w.total, "shards": w.shards,
                                  "added_samples": len(extra)}
