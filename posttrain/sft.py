@@ -47,6 +47,7 @@ import logging
 import math
 import os
 import shutil
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -242,11 +243,9 @@ def spread(per_seed: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]
     out = {}
     for k in SPREAD_KEYS:
         vals = [s.get(k) for s in per_seed]
-        if not vals or any(v is None for v in vals):
-            continue
-        mean = sum(vals) / len(vals)
-        std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else 0.0
-        out[k] = {"mean": mean, "std": std, "values": vals}
+        if vals and None not in vals:
+            out[k] = {"mean": statistics.mean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
+                      "values": vals}
     return out
 
 
