@@ -160,7 +160,7 @@ def _texts_of_file(path: Path, src: TextSource) -> Iterator[str]:
             numbered = list(enumerate(records, 1))
         else:
             numbered = []
-            for lineno, line in enumerate(raw.splitlines(), 1):
+            for lineno, line in enumerate(raw.split("\n"), 1):  # not splitlines(): U+2028 may sit in a string
                 if not line.strip():
                     continue
                 try:

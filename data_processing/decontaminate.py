@@ -105,7 +105,7 @@ def selected_texts(e: EvalSet) -> list[str]:
     for path in source_files(e.source):
         if path.suffix != ".jsonl":
             raise ValueError(f"eval set {e.name!r}: id selection reads .jsonl files, got {path}")
-        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):  # not splitlines(): U+2028
             if not line.strip():
                 continue
             try:

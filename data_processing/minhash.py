@@ -15,6 +15,14 @@ Fast path (backend "numpy"), per document:
   3. shingle hash = polynomial combination of n consecutive word hashes, then splitmix64 mixing;
   4. permutation i: h_i(x) = (a_i * x + b_i) mod 2^64 >> 32 (multiply-shift, a_i odd); the
      signature keeps the minimum per permutation -> uint32[num_perm].
+reference_signatures does exactly this one document at a time; text_signatures computes the same
+numbers (tested bit for bit) for ~1 MB of text per batch (batch_signatures): one byte scan and
+prefix sum over the joined texts, n-grams over the batch's word hashes gathered per document,
+no np.unique (a repeated shingle does not change a minimum), and the (num_perm x shingles) hash
+matrix in blocks whose minima per document come from one np.minimum.reduceat. Profiled on 3,000
+bench documents, the per-document loop spent ~40% in the hash matrix, ~10% in np.unique, ~35%
+hashing words and the rest in per-call NumPy overhead; batched it takes ~3x fewer CPU-seconds,
+about half in the hash matrix (~0.9 ns per hash) and most of the rest hashing words.
 Backend "datasketch" builds datasketch MinHash objects from the same shingles (slower, for
 cross-checking), and can use datasketch's MinHashLSH with Redis storage.
 
@@ -85,10 +93,15 @@ def _mix64(x: np.ndarray) -> np.ndarray:
 
 
 def _powers(base: np.uint64, n: int) -> np.ndarray:
-    p = np.full(n, base, dtype=np.uint64)
-    if n:
-        p[0] = 1
-    return np.cumprod(p, dtype=np.uint64)
+    """base^i mod 2^64 for i < n, by doubling (a vectorised multiply per step, not a cumprod
+    chain: the batched path needs millions)."""
+    p = np.ones(max(n, 1), dtype=np.uint64)
+    k = 1
+    while k < n:
+        m = min(k, n - k)
+        np.multiply(p[:m], p[k - 1 : k] * base, out=p[k : k + m])  # base^k, no scalar overflow warning
+        k += m
+    return p[:n]
 
 
 _INV_BASE = np.uint64(pow(int(_WORD_BASE), -1, 2**64))
@@ -170,10 +183,123 @@ def text_signatures(texts: Sequence[str], cfg: MinHashConfig) -> np.ndarray:
     """Signatures of many texts: uint32[len(texts), num_perm]."""
     if cfg.backend == "datasketch":
         return _datasketch_signatures(texts, cfg)
+    return batch_signatures(texts, cfg)
+
+
+def reference_signatures(texts: Sequence[str], cfg: MinHashConfig) -> np.ndarray:
+    """The numpy backend's signatures one document at a time (shingle_hashes + signature): the
+    plain statement of what batch_signatures computes, kept for tests and cross-checks."""
     a, b = permutations(cfg.num_perm, cfg.seed)
     out = np.empty((len(texts), cfg.num_perm), dtype=np.uint32)
     for i, t in enumerate(texts):
         out[i] = signature(shingle_hashes(t, cfg.shingle, cfg.ngram, cfg.norm_numbers), a, b)
+    return out
+
+
+# Batched fast path: the same numbers as reference_signatures, for many documents per NumPy call.
+_WORD_BYTE = np.zeros(256, dtype=bool)  # the bytes _word_hashes counts as word characters
+_WORD_BYTE[48:58] = _WORD_BYTE[97:123] = _WORD_BYTE[95] = _WORD_BYTE[128:] = True
+_BATCH_BYTES = 1 << 20  # text characters per batch (work arrays of ~8 MB each)
+_BLOCK = 16384  # shingles per (num_perm x _BLOCK) hash block (15 MB at 112 permutations; measured fastest)
+
+
+def _batch_word_units(texts: Sequence[str], norm_numbers: bool) -> tuple[np.ndarray, np.ndarray]:
+    """_word_hashes of every text, concatenated, and the number per text. The texts are joined
+    with (and preceded by) "\\n", which is no word byte, so no word crosses two documents; a
+    word's polynomial hash does not depend on where it sits (prefix sums times inverse powers)."""
+    enc = [(_NUMBER.sub("0", t) if norm_numbers else t).lower().encode("utf-8") for t in texts]
+    b = np.frombuffer(b"\n".join([b""] + enc), dtype=np.uint8)
+    doc_ends = np.cumsum([len(e) + 1 for e in enc], dtype=np.int64)  # one past each text's last byte
+    word = np.zeros(b.size + 2, dtype=bool)
+    _WORD_BYTE.take(b, out=word[1:-1])
+    edges = np.flatnonzero(word[1:] != word[:-1])  # word starts and ends alternate
+    counts = np.diff(np.searchsorted(edges[0::2], doc_ends), prepend=0)
+    p, q = _pows(b.size)
+    c = np.multiply(b, q, dtype=np.uint64)
+    np.cumsum(c, out=c)  # c[i] = sum_{j<=i} b[j] q^j; every edge is >= 1 (the leading separator)
+    # hash(word [s, e)) = (c[e-1] - c[s-1]) * p^(e-1) = sum_j b[j] p^(e-1-j)
+    edges -= 1
+    g = c[edges]
+    return (g[1::2] - g[0::2]) * p[edges[1::2]], counts
+
+
+def _batch_shingles(units: np.ndarray, counts: np.ndarray, ngram: int) -> tuple[np.ndarray, np.ndarray]:
+    """What shingle_hashes computes for each document, before np.unique (a repeated shingle does
+    not change a minimum), concatenated, and the number per document."""
+    per_doc = np.where(counts >= ngram, counts - ngram + 1, np.minimum(counts, 1))
+    total = int(per_doc.sum())
+    if total == 0:
+        return np.empty(0, dtype=np.uint64), per_doc
+    first_unit = np.cumsum(counts) - counts
+    m = units.size - ngram + 1
+    acc = np.empty(0, dtype=np.uint64)
+    if m > 0:  # n-grams over the whole batch; those that cross documents are not gathered
+        acc = units[:m].copy()
+        for k in range(1, ngram):
+            acc *= _SHINGLE_BASE
+            acc += units[k : k + m]
+    first_out = np.cumsum(per_doc) - per_doc
+    idx = np.arange(total, dtype=np.int64) + np.repeat(first_unit - first_out, per_doc)
+    short = np.flatnonzero((counts > 0) & (counts < ngram))
+    if short.size:  # documents with fewer units than ngram: one shingle of all their units
+        idx[first_out[short]] = 0
+        out = acc[idx] if acc.size else np.zeros(total, dtype=np.uint64)
+        for d in short:
+            u = units[first_unit[d] : first_unit[d] + counts[d]]
+            v = u[:1].copy()
+            for k in range(1, u.size):
+                v *= _SHINGLE_BASE
+                v += u[k]
+            out[first_out[d]] = v[0]
+    else:
+        out = acc[idx]
+    return _mix64(out), per_doc
+
+
+def _min_hashes(sh: np.ndarray, per_doc: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per document and permutation, min over its shingles x of a*x + b (mod 2^64), computed
+    over (num_perm x _BLOCK) blocks of the concatenated shingles: uint64[num_perm, docs]."""
+    out = np.full((a.size, per_doc.size), np.iinfo(np.uint64).max, dtype=np.uint64)
+    nz = np.flatnonzero(per_doc)
+    offs = (np.cumsum(per_doc) - per_doc)[nz]  # strictly increasing: the non-empty documents' starts
+    buf = np.empty((a.size, _BLOCK), dtype=np.uint64)
+    ac, bc = a[:, None], b[:, None]
+    for i in range(0, sh.size, _BLOCK):
+        x = sh[i : i + _BLOCK]
+        h = buf[:, : x.size]
+        np.multiply(ac, x[None, :], out=h)
+        h += bc
+        j0 = int(np.searchsorted(offs, i, side="right")) - 1  # the document that holds shingle i
+        j1 = int(np.searchsorted(offs, i + x.size, side="left"))
+        seg = offs[j0:j1] - i
+        seg[0] = 0
+        cols = nz[j0:j1]
+        out[:, cols] = np.minimum(out[:, cols], np.minimum.reduceat(h, seg, axis=1))
+    return out
+
+
+def batch_signatures(texts: Sequence[str], cfg: MinHashConfig) -> np.ndarray:
+    """Signatures of many texts (uint32[len(texts), num_perm]), equal to reference_signatures:
+    texts are hashed in batches of ~_BATCH_BYTES, so there is no Python step per word and a few
+    NumPy calls per batch rather than per document."""
+    a, b = permutations(cfg.num_perm, cfg.seed)
+    out = np.empty((len(texts), cfg.num_perm), dtype=np.uint32)
+    i = 0
+    while i < len(texts):
+        j, size = i, 0
+        while j < len(texts) and (j == i or size + len(texts[j]) <= _BATCH_BYTES):
+            size += len(texts[j])
+            j += 1
+        batch = texts[i:j]
+        if cfg.shingle == "word":
+            units, counts = _batch_word_units(batch, cfg.norm_numbers)
+        else:
+            per = [_char_hashes(_NUMBER.sub("0", t) if cfg.norm_numbers else t) for t in batch]
+            units = np.concatenate(per) if per else np.empty(0, dtype=np.uint64)
+            counts = np.array([u.size for u in per], dtype=np.int64)
+        sh, per_doc = _batch_shingles(units, counts, cfg.ngram)
+        out[i:j] = (_min_hashes(sh, per_doc, a, b) >> np.uint64(32)).T
+        i = j
     return out
 
 

@@ -247,7 +247,7 @@ def read_texts(path: str, text_field: str = "text", text_template: str | None = 
     with tempfile.TemporaryDirectory(prefix="glmforge-eval-input-") as tmp:
         docs, metrics = documents_from(str(path), Path(tmp), text_field, text_template)
         if metrics.get("quarantined"):
-            bad = json.loads((docs / "quarantine.jsonl").read_text().splitlines()[0])
+            bad = json.loads((docs / "quarantine.jsonl").read_text().split("\n")[0])  # not splitlines(): U+2028
             where = f"{bad['file']}:{bad['line']}" if bad.get("line") is not None else bad["file"]
             raise ValueError(f"{where}: {bad['reason']} ({metrics['quarantined']} record(s) without text; "
                              "see --text-field / --text-template)")

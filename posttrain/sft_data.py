@@ -203,7 +203,9 @@ class Problem:
 
 def read_gsm8k(path: str | Path) -> list[Problem]:
     out = []
-    for line in Path(expand_path(path)).read_text(encoding="utf-8").splitlines():
+    for line in Path(expand_path(path)).read_text(encoding="utf-8").split("\n"):  # not splitlines(): U+2028
+        if not line.strip():
+            continue
         rec = json.loads(line)
         body, _, final = rec["answer"].rpartition("####")
         calls = []

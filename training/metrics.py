@@ -27,7 +27,7 @@ def read(path: Path) -> list[dict[str, Any]]:
     if not Path(path).exists():
         return []
     out = []
-    for line in Path(path).read_text().splitlines():
+    for line in Path(path).read_text().split("\n"):  # not splitlines(): U+2028 may sit in a string
         line = line.strip()
         if line:
             try:

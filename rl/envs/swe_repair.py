@@ -290,7 +290,9 @@ def build(mbpp_path: str | Path, out: Path = DATA, ids: range = MBPP_TRAIN_IDS) 
 
 def load_instances(path: Path = DATA) -> list[dict]:
     out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):  # not splitlines(): U+2028
+        if not line.strip():
+            continue
         try:
             d = json.loads(line)
             _ = d["task_id"], d["buggy"], d["tests"], d["fail_to_pass"], d["pass_to_pass"], d["text"]

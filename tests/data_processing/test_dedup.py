@@ -186,3 +186,54 @@ def test_char_shingles_catch_small_edits():
     cfg = MinHashConfig(shingle="char", ngram=5, bands=26, rows=11)  # OLMo-3 / Marin setting
     s = text_signatures([a, b, stdlib_docs(2)[1].text], cfg)
     assert (s[0] == s[1]).mean() > 0.8 and (s[0] == s[2]).mean() < 0.5
+
+
+def _edge_texts() -> list[str]:
+    return ["", "   ...  ", "two words", "ΣΑΣ ΟΔΟΣ Σ ünïcode İstanbul", "one two three four",
+            "one two three four five", "1,000 and 2.5 and 3 numbers " * 3, "x" * 70_000 + " tail words here ok"]
+
+
+@pytest.mark.parametrize("cfg", [MinHashConfig(), MinHashConfig(norm_numbers=True, ngram=3),
+                                 MinHashConfig(shingle="char", bands=26, rows=11)], ids=["word", "word-norm", "char"])
+def test_batched_signatures_equal_the_per_document_reference(cfg, monkeypatch):
+    """The fast path (batches of documents, hash blocks) computes the reference's numbers bit
+    for bit, so it finds the same clusters: on planted near-duplicates, on edge cases (empty,
+    shorter than ngram, non-ASCII, one long word), and with tiny batches and blocks so that
+    documents straddle both."""
+    rng = random.Random(5)
+    originals = stdlib_docs(25)
+    planted = [edit_words(originals[i].text, 0.01, rng) for i in range(0, 25, 3)]
+    texts = _edge_texts() + [d.text for d in originals] + planted + _edge_texts()
+    ref = minhash.reference_signatures(texts, cfg)
+    assert np.array_equal(text_signatures(texts, cfg), ref)
+    monkeypatch.setattr(minhash, "_BATCH_BYTES", 5000)
+    monkeypatch.setattr(minhash, "_BLOCK", 100)
+    fast = text_signatures(texts, cfg)
+    assert np.array_equal(fast, ref)
+    assert (fast[0] == 0xFFFFFFFF).all()  # nothing to shingle: matches nothing
+    assert (fast[1] == 0xFFFFFFFF).all() == (cfg.shingle == "word")  # punctuation only: no words
+    roots, _ = minhash.cluster(fast, cfg)
+    assert np.array_equal(roots, minhash.cluster(ref, cfg)[0])
+    if cfg.shingle == "word":  # every planted copy joins its original's cluster, nothing else merges
+        n = len(_edge_texts())
+        for k, i in enumerate(range(0, 25, 3)):
+            assert roots[n + 25 + k] == roots[n + i]
+        assert len(set(roots[n : n + 25].tolist())) == 25
+
+
+def test_datasketch_backend_equals_datasketch_minhash():
+    """backend: datasketch is datasketch.MinHash over the shingles (8-byte little-endian)."""
+    from datasketch import MinHash
+
+    cfg = MinHashConfig(backend="datasketch", bands=4, rows=4)
+    texts = [d.text for d in stdlib_docs(3)] + ["short text", ""]
+    sigs = text_signatures(texts, cfg)
+    for t, s in zip(texts, sigs):
+        hashes = minhash.shingle_hashes(t, cfg.shingle, cfg.ngram, cfg.norm_numbers)
+        if not hashes.size:
+            assert (s == 0xFFFFFFFF).all()
+            continue
+        m = MinHash(num_perm=cfg.num_perm, seed=cfg.seed)
+        for h in hashes:
+            m.update(int(h).to_bytes(8, "little"))
+        assert np.array_equal(s, m.hashvalues.astype(np.uint32))
