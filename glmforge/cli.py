@@ -24,6 +24,8 @@ schedule_app = typer.Typer(
     "The nightly cron of the end-to-end deployment is off until `glmforge schedule on`.",
 )
 app.add_typer(schedule_app, name="schedule")
+deploy_app = typer.Typer(no_args_is_help=True, help="Deployment files rendered from the pipeline config.")
+app.add_typer(deploy_app, name="deploy")
 
 # The CLI sits above the flows: it starts them by entrypoint, the strings prefect.yaml deploys.
 PIPELINE_FLOW, STAGE_FLOW = "flows.end_to_end:pipeline", "flows.end_to_end:stage"
@@ -179,6 +181,41 @@ def grace_period(preset: Optional[str] = PresetOpt, config: Optional[Path] = Con
     except ConfigError as e:
         _fail(str(e))
     typer.echo(pod_grace_seconds(cfg))
+
+
+@deploy_app.command("k8s-templates")
+def deploy_k8s_templates(
+    out: Path = typer.Option(..., "--out", "-o", help="folder to write (the shipped ones: deployments/k8s, --preset glm5)"),
+    preset: Optional[str] = PresetOpt,
+    config: Optional[Path] = ConfigOpt,
+    set_: Optional[list[str]] = SetOpt,
+) -> None:
+    """Write the Kubernetes work-pool templates: one single-pod template, and per node group of
+    the training stages (same `launch:`) an Indexed Job template and its headless Service;
+    node-groups.json says which stage goes where. Checked before writing: the Prefect template
+    shape, and with kubernetes-validate installed every object against the Kubernetes schema."""
+    from glmforge import k8s
+
+    try:
+        cfg = load_config(preset, config, set_)
+        files = k8s.render(cfg)
+    except (ConfigError, ValueError) as e:
+        _fail(str(e))
+    try:
+        import kubernetes_validate  # noqa: F401
+        schema = True
+    except ImportError:
+        schema = False
+    try:
+        checks = k8s.check_rendered(files, kubernetes=schema)
+    except k8s.TemplateError as e:
+        _fail(f"rendered template refused: {e}", code=1)
+    for path in k8s.write(files, out):
+        typer.echo(f"wrote {path}")
+    for line in checks:
+        typer.echo(f"checked {line}")
+    if not schema:
+        typer.echo("Kubernetes schema not checked: pip install kubernetes-validate", err=True)
 
 
 @app.command()
