@@ -1,5 +1,6 @@
 """Distributed curation throughput: exact + MinHash dedup as Prefect tasks on a Dask LocalCluster
-of 1 and 2 worker processes, beside the single-process steps, on the same corpus.
+of 1 and 2 worker processes, with 1 and more input shards per Prefect task, beside the
+single-process steps, on the same corpus.
 
 Corpus: bench/curation.py's real documents (stdlib sources, man pages when present, samples/)
 with planted near-duplicates and exact copies, written as shards of --shard-size documents.
@@ -8,7 +9,7 @@ and checks that each Dask run's output equals the single-process output. Prefect
 ephemeral mode unless PREFECT_API_URL is set. On a shared 2-core machine the 2-worker figure
 says little about scaling; run it where the workers have cores of their own.
 
-    .venv/bin/python bench/curation_dask.py --max-docs 4000
+    .venv/bin/python bench/curation_dask.py --max-docs 4000 --shards-per-task 1 5
 
 Not run by the tests.
 """
@@ -65,10 +66,13 @@ def main() -> None:
     ap.add_argument("--planted", type=int, default=200)
     ap.add_argument("--shard-size", type=int, default=250)
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--shards-per-task", type=int, nargs="+", default=[1, 5],
+                    help="input shards per Prefect task (DaskConfig.shards_per_task); each value is a run")
     args = ap.parse_args()
 
     from data_processing import dedup_exact, minhash
-    from flows.curate_dask import DaskSettings, run_dedup
+    from data_processing.common import DaskConfig
+    from flows.curate_dask import run_dedup
     from glmforge.stage import Workdir
 
     from prefect import flow
@@ -90,27 +94,30 @@ def main() -> None:
     w2 = Workdir.at(tmp / "single-mh")
     minhash.run(minhash.MinHashConfig(shard_size=args.shard_size), {"p": w1.out}, w2)
     t_mh = time.perf_counter() - t
-    rows.append({"engine": "single process", "workers": 1, "exact_docs_s": n / t_exact, "minhash_docs_s": n / t_mh,
-                 "same_output": True})
+    rows.append({"engine": "single process", "workers": 1, "shards_per_task": "-", "exact_docs_s": n / t_exact,
+                 "minhash_docs_s": n / t_mh, "same_output": True})
 
-    for k in args.workers:
-        s = DaskSettings(workers=k, processes=True)
-        t = time.perf_counter()
-        run_dedup("dedup-exact", tmp / "in", tmp / f"dask{k}-exact", tmp / f"scratch{k}-exact", s, args.shard_size)
-        te = time.perf_counter() - t
-        t = time.perf_counter()
-        run_dedup("dedup-minhash", tmp / f"dask{k}-exact", tmp / f"dask{k}-mh", tmp / f"scratch{k}-mh", s,
-                  args.shard_size, minhash.MinHashConfig(shard_size=args.shard_size))
-        tm = time.perf_counter() - t
-        same = same_output(w1.out, tmp / f"dask{k}-exact") and same_output(w2.out, tmp / f"dask{k}-mh")
-        rows.append({"engine": "dask+prefect", "workers": k, "exact_docs_s": n / te, "minhash_docs_s": n / tm,
-                     "same_output": same})
+    for per_task in args.shards_per_task:
+        for k in args.workers:
+            s = DaskConfig(workers=k, processes=True, shards_per_task=per_task)
+            run = f"{k}w{per_task}"
+            t = time.perf_counter()
+            run_dedup("dedup-exact", tmp / "in", tmp / f"{run}-exact", tmp / f"scratch{run}-exact", s, args.shard_size)
+            te = time.perf_counter() - t
+            t = time.perf_counter()
+            run_dedup("dedup-minhash", tmp / f"{run}-exact", tmp / f"{run}-mh", tmp / f"scratch{run}-mh", s,
+                      args.shard_size, minhash.MinHashConfig(shard_size=args.shard_size))
+            tm = time.perf_counter() - t
+            same = same_output(w1.out, tmp / f"{run}-exact") and same_output(w2.out, tmp / f"{run}-mh")
+            rows.append({"engine": "dask+prefect", "workers": k, "shards_per_task": per_task, "exact_docs_s": n / te,
+                         "minhash_docs_s": n / tm, "same_output": same})
 
     print(f"\n{n} documents in {len(list((tmp / 'in').glob('part-*.parquet')))} shards\n")
-    print("| engine | workers | exact dedup docs/s | MinHash dedup docs/s | output equal |")
-    print("|---|---|---|---|---|")
+    print("| engine | workers | shards per task | exact dedup docs/s | MinHash dedup docs/s | output equal |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['engine']} | {r['workers']} | {r['exact_docs_s']:.0f} | {r['minhash_docs_s']:.0f} | {r['same_output']} |")
+        print(f"| {r['engine']} | {r['workers']} | {r['shards_per_task']} | {r['exact_docs_s']:.0f} | "
+              f"{r['minhash_docs_s']:.0f} | {r['same_output']} |")
     print(json.dumps(rows))
 
 

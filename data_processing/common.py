@@ -14,7 +14,7 @@ import unicodedata
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from data_processing.document import Document, read_documents, read_shard, shard_paths
 
@@ -28,6 +28,41 @@ class StepConfig(BaseModel):
     """Base of every stage config: frozen, unknown keys rejected (a typo is an error)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class DaskConfig(StepConfig):
+    """Run a dedup stage's shard-level steps (data_processing.sharded_dedup) as Prefect tasks on
+    prefect-dask's DaskTaskRunner (flows/curate_dask.py) instead of in one process. The output is
+    the same either way, so the whole section is operational: it stays out of the stage key.
+
+    address unset: a LocalCluster of `workers` worker processes (threads with processes=False)
+    started for the stage. address set ("tcp://scheduler:8786"): that cluster's workers run the
+    tasks; they read the input and write scratch and output under $GLMFORGE_HOME, which must
+    then be storage every worker mounts at the same path.
+    shards_per_task: input shards one Prefect task handles (each other step is cut into the same
+    number of tasks); more per task = less Prefect overhead, fewer tasks to spread."""
+
+    address: str | None = None
+    workers: int = Field(default=2, ge=1)
+    threads_per_worker: int = Field(default=1, ge=1)
+    processes: bool = True  # False: worker threads in the flow's process (fast start, for tests)
+    shards_per_task: int = Field(default=1, ge=1)
+    partitions: int = Field(default=0, ge=0, description="exact-dedup shuffle partitions; 0 = one per task")
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"(?:(?:tcp|tls|ucx|ws|wss)://)?[^\s/:]+:\d+", v):
+            raise ValueError(f"{v!r} is not a Dask scheduler address like tcp://scheduler:8786")
+        return v
+
+    @model_validator(mode="after")
+    def _local_fields_need_no_address(self) -> "DaskConfig":
+        local = {"workers", "threads_per_worker", "processes"} & self.model_fields_set
+        if self.address is not None and local:
+            raise ValueError(f"{', '.join(sorted(local))}: sizes the LocalCluster, not used with address "
+                             f"{self.address} (that cluster's workers run the tasks)")
+        return self
 
 
 def expand_placeholders(s: str) -> str:

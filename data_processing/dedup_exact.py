@@ -15,14 +15,16 @@ from typing import Iterable, Iterator
 
 from pydantic import Field
 
-from data_processing.common import StepConfig, count_documents, iter_input_documents, normalize_text
+from data_processing.common import DaskConfig, StepConfig, count_documents, iter_input_documents, normalize_text
 from data_processing.document import Document
 from data_processing.filtering import Verdict, filter_documents
-from glmforge.stage import Workdir
+from glmforge.stage import OPERATIONAL, Workdir
 
 
 class DedupExactConfig(StepConfig):
     shard_size: int = Field(default=10_000, ge=1)
+    # set: the stage runs sharded on Dask when it runs as a Prefect task (same output, not in the key)
+    dask: DaskConfig | None = Field(default=None, json_schema_extra=OPERATIONAL)
 
 
 def text_key(text: str) -> bytes:

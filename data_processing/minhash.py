@@ -41,10 +41,10 @@ import numpy as np
 import pyarrow.parquet as pq
 from pydantic import Field, model_validator
 
-from data_processing.common import StepConfig, iter_input_documents
+from data_processing.common import DaskConfig, StepConfig, iter_input_documents
 from data_processing.document import quality_score, shard_paths
 from data_processing.filtering import Verdict, write_decisions
-from glmforge.stage import Workdir
+from glmforge.stage import OPERATIONAL, Workdir
 
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 _WORD_BASE = np.uint64(0x100000001B3)  # FNV prime: odd, so invertible mod 2^64
@@ -65,8 +65,11 @@ class MinHashConfig(StepConfig):
     lsh_storage: Literal["memory", "redis"] = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
     seed: int = 1
-    workers: int = Field(default=1, ge=1)
+    # processes computing signatures; same output whatever the count, so not in the key
+    workers: int = Field(default=1, ge=1, json_schema_extra=OPERATIONAL)
     shard_size: int = Field(default=10_000, ge=1)
+    # set: the stage runs sharded on Dask when it runs as a Prefect task (same output, not in the key)
+    dask: DaskConfig | None = Field(default=None, json_schema_extra=OPERATIONAL)
 
     @property
     def num_perm(self) -> int:
@@ -76,6 +79,8 @@ class MinHashConfig(StepConfig):
     def _check(self) -> "MinHashConfig":
         if self.lsh_storage == "redis" and self.backend != "datasketch":
             raise ValueError("lsh_storage: redis is datasketch's MinHashLSH; set backend: datasketch")
+        if self.dask is not None and self.backend != "numpy":
+            raise ValueError("dask: the distributed path buckets signatures itself; it needs backend: numpy")
         if self.backend == "datasketch" and self.shingle == "char" and self.ngram > 64:
             raise ValueError("ngram: char shingles longer than 64 are not useful")
         return self

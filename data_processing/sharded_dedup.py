@@ -12,6 +12,7 @@ shards and reasons, same metrics. The datatrove / NeMo-Curator shape:
 
 Exact dedup (hash-partitioned shuffle):
   exact_partition(shard i)  -> keys/p{p}-s{i}: (text key, global row, id) for key-hash p
+                               (exact_partition_shards: shards i..j in one file per p)
   exact_reduce(partition p) -> dups/s{i}-p{p}: (global row, id of the first occurrence)
   filter_shard(shard i)     -> pieces/{kept,removed}/s{i}
   assemble_shard(k)         -> out/part-k, out/removed/part-k (ShardWriter's boundaries)
@@ -29,6 +30,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -101,27 +103,42 @@ def _save_npy(path: Path, a: np.ndarray) -> None:
 # ---------------------------------------------------------------------------------------------
 # Exact dedup: shuffle (text key, row) by key hash; each partition finds first occurrences.
 _DUP_SCHEMA = pa.schema([("row", pa.int64()), ("reason", pa.string())])
+_KEY_SCHEMA = pa.schema([("key", pa.binary(16)), ("row", pa.int64()), ("id", pa.string())])
 
 
 def exact_partition(shard_path: str, shard_index: int, offset: int, partitions: int, scratch: str) -> int:
-    cols = _read_checked(shard_path, ["id", "text"])
-    keys = [text_key(t) for t in cols["text"]]
+    return exact_partition_shards([(shard_path, shard_index, offset)], partitions, scratch)
+
+
+def exact_partition_shards(shards: Sequence[tuple[str, int, int]], partitions: int, scratch: str) -> int:
+    """exact_partition over consecutive shards (path, index, offset) at once: one key file per
+    partition for all of them, keys/p{p}-s{first index}, so a batched task writes P files, not
+    P per shard. Returns the number of documents read."""
+    keys: list[bytes] = []
+    ids: list[str] = []
+    rows: list[np.ndarray] = []
+    for shard_path, _, offset in shards:
+        cols = _read_checked(shard_path, ["id", "text"])
+        keys += [text_key(t) for t in cols["text"]]
+        ids += cols["id"]
+        rows.append(np.arange(offset, offset + len(cols["id"]), dtype=np.int64))
+    row = np.concatenate(rows) if rows else np.empty(0, np.int64)
     part = np.array([int.from_bytes(k[:8], "little") % partitions for k in keys], dtype=np.int64)
-    rows = np.arange(offset, offset + len(keys), dtype=np.int64)
     for p in range(partitions):
         sel = np.flatnonzero(part == p)
-        table = pa.table(
-            {"key": pa.array([keys[i] for i in sel], pa.binary(16)), "row": rows[sel],
-             "id": [cols["id"][i] for i in sel]}
-        )
-        _write_table(Path(scratch) / "keys" / f"p{p:04d}-s{shard_index:05d}.parquet", table)
+        table = pa.table({"key": [keys[i] for i in sel], "row": row[sel], "id": [ids[i] for i in sel]},
+                         schema=_KEY_SCHEMA)  # typed even when empty: a partition may get no key
+        _write_table(Path(scratch) / "keys" / f"p{p:04d}-s{shards[0][1]:05d}.parquet", table)
     return len(keys)
 
 
-def exact_reduce(partition: int, shards: int, sp: ShardPlan, scratch: str) -> int:
+def exact_reduce(partition: int, shards: int | Sequence[int], sp: ShardPlan, scratch: str) -> int:
     """First occurrence (lowest global row) of each key in this partition; later rows are
-    duplicates. Writes them grouped by the input shard they belong to. Returns the count."""
-    files = [Path(scratch) / "keys" / f"p{partition:04d}-s{s:05d}.parquet" for s in range(shards)]
+    duplicates. Writes them grouped by the input shard they belong to. Returns the count.
+    `shards`: how many shards exact_partition wrote, or the first shard index of each
+    exact_partition_shards call."""
+    firsts = range(shards) if isinstance(shards, int) else shards
+    files = [Path(scratch) / "keys" / f"p{partition:04d}-s{s:05d}.parquet" for s in firsts]
     t = pa.concat_tables([pq.read_table(f) for f in files]).sort_by([("key", "ascending"), ("row", "ascending")])
     keys, rows, ids = t.column("key").to_pylist(), t.column("row").to_numpy(), t.column("id").to_pylist()
     dup_rows, reasons, first = [], [], None

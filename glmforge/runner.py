@@ -2,7 +2,8 @@
 
 Plain Python: tasks/ and flows/ wrap these calls in Prefect, tests call them directly.
 
-A stage's key is sha256(stage name, stage version, its resolved config section, the run seed
+A stage's key is sha256(stage name, stage version, its resolved config section (less its
+operational fields: worker counts, cluster addresses; see glmforge.stage.OPERATIONAL), the run seed
 where the stage reads it, the content digests of its parent artifacts, the fingerprint of the
 non-artifact files it reads, and the digest of its code). The store is the cache: when an
 artifact with that key is published, the stage is skipped and the artifact reused — in a new
@@ -40,10 +41,19 @@ from typing import Any, Callable, Sequence
 from pydantic import BaseModel
 
 from glmforge.shutdown import Preempted
-from glmforge.stage import ProgressFn, StageSpec, Workdir, upstream
+from glmforge.stage import ProgressFn, StageFn, StageSpec, Workdir, upstream
 from glmforge.store import Lease, Manifest, Store, default_home
 
 log = logging.getLogger("glmforge")
+
+
+def key_config(section: BaseModel) -> dict[str, Any]:
+    """The config section as it enters the key: every field but the operational ones
+    (glmforge.stage.OPERATIONAL: worker counts, cluster addresses), which change how a stage
+    runs and never its output."""
+    skip = {name for name, f in type(section).model_fields.items()
+            if isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get("operational")}
+    return section.model_dump(mode="json", exclude=skip)
 
 
 def stage_key(spec: StageSpec, section: BaseModel, seed: int, parents: dict[str, Manifest],
@@ -54,7 +64,7 @@ def stage_key(spec: StageSpec, section: BaseModel, seed: int, parents: dict[str,
     payload = {
         "stage": spec.name,
         "version": spec.version,
-        "config": section.model_dump(mode="json"),
+        "config": key_config(section),
         "inputs": {p: parents[p].digest for p in sorted(spec.parents)},
     }
     if spec.seeded:
@@ -163,8 +173,12 @@ class Runner:
         return self.home / "work" / spec.name / self.work_key(spec, parents)
 
     def run_stage(
-        self, spec: StageSpec, parents: dict[str, Manifest], progress: ProgressFn | None = None
+        self, spec: StageSpec, parents: dict[str, Manifest], progress: ProgressFn | None = None,
+        run: StageFn | None = None,
     ) -> StageResult:
+        """Run `spec` unless its artifact is published. `run` replaces the stage function for
+        this call (the Prefect layer passes the Dask path of a stage whose config asks for it);
+        it must write what spec.run writes: the key is spec's either way."""
         key = self.key(spec, parents)
         published = self.store.manifest(spec.name, key)
         if published is not None:
@@ -175,10 +189,11 @@ class Runner:
             if published is not None:
                 log.info("%s: artifact %s published by another run, skipping", spec.name, key)
                 return StageResult(spec.name, key, "cached", published, self.store.artifact_uri(spec.name, key))
-            return self._run_unlocked(spec, key, parents, progress)
+            return self._run_unlocked(spec, key, parents, progress, run)
 
     def _run_unlocked(
-        self, spec: StageSpec, key: str, parents: dict[str, Manifest], progress: ProgressFn | None
+        self, spec: StageSpec, key: str, parents: dict[str, Manifest], progress: ProgressFn | None,
+        run: StageFn | None = None,
     ) -> StageResult:
         root = self.workdir_root(spec, parents)
         out, ckpt = root / "out", root / "checkpoint"
@@ -200,7 +215,7 @@ class Runner:
             seed=self.seed if spec.seeded else None,
         )
         inputs = {p: self.store.materialize(m, self.home / "cache") for p, m in parents.items()}
-        metrics = spec.run(self.section(spec), inputs, workdir)
+        metrics = (run or spec.run)(self.section(spec), inputs, workdir)
         manifest = self.store.publish(
             spec.name,
             key,

@@ -28,6 +28,12 @@ from typing import Any, Callable, Protocol
 
 ProgressFn = Callable[[int, int, str], None]
 
+# Marks a config field that changes how a stage runs but never what it writes (worker counts, a
+# cluster address): `Field(..., json_schema_extra=OPERATIONAL)`. The runner leaves such fields
+# out of the stage key (glmforge.runner.key_config), so the same artifact is reused whichever
+# way it was produced; the manifest and run record still show them.
+OPERATIONAL: dict[str, Any] = {"operational": True}
+
 
 def _no_progress(done: int, total: int, desc: str) -> None:
     return None

@@ -17,7 +17,7 @@ from prefect.states import Completed
 from glmforge.config import TaskConfig
 from glmforge.runner import Runner, StageResult
 from glmforge.shutdown import Preempted
-from glmforge.stage import StageSpec
+from glmforge.stage import StageFn, StageSpec
 from glmforge.store import Manifest, artifact_prefix
 from tasks.progress import StageProgress
 
@@ -61,6 +61,17 @@ def _retry_unless_preempted(task, task_run, state) -> bool:
     return not isinstance(data, Preempted) and "Preempted" not in (state.message or "")
 
 
+def engine(spec: StageSpec, section: Any) -> StageFn | None:
+    """The stage function to run in place of spec.run, or None for spec.run itself: the Dask
+    path of a dedup stage whose section has a `dask:` entry (flows/curate_dask.py). Same files
+    and metrics, same key (the entry is operational)."""
+    if getattr(section, "dask", None) is None:
+        return None
+    from flows.curate_dask import STEPS, stage_runner  # prefect-dask and dask, only when asked for
+
+    return stage_runner(spec.name) if spec.name in STEPS else None
+
+
 def stage_task(spec: StageSpec, settings: TaskConfig):
     """The Prefect task that runs `spec`: retries from config, our own store-level cache."""
 
@@ -76,7 +87,7 @@ def stage_task(spec: StageSpec, settings: TaskConfig):
         logger = get_run_logger()
         progress = StageProgress(spec.name)
         try:
-            result = runner.run_stage(spec, parents, progress=progress)
+            result = runner.run_stage(spec, parents, progress=progress, run=engine(spec, runner.section(spec)))
         finally:
             progress.close()
         publish_prefect_artifacts(runner, result)

@@ -108,3 +108,81 @@ def test_bad_shard_names_file_and_row(tmp_path):
     pq.write_table(pa.table({"id": ["a"]}), d / "part-00001.parquet")
     with pytest.raises(ValueError, match=r"part-00001.parquet: not a document shard, missing column\(s\) \['text'\]"):
         sd.plan(d)
+
+
+def test_dask_section_is_validated_and_stays_out_of_the_stage_key():
+    from pydantic import ValidationError
+
+    from data_processing.common import DaskConfig
+    from data_processing.stages import STEPS
+    from glmforge.runner import stage_key
+
+    assert DaskConfig(address="tcp://scheduler:8786", shards_per_task=4).address == "tcp://scheduler:8786"
+    for bad in ({"address": "scheduler"}, {"address": "tcp://scheduler:8786", "workers": 4},
+                {"workers": 0}, {"shards_per_task": 0}, {"threads": 2}):
+        with pytest.raises(ValidationError):
+            DaskConfig(**bad)
+    with pytest.raises(ValidationError, match="backend: numpy"):
+        minhash.MinHashConfig(backend="datasketch", dask={})
+    spec = STEPS["dedup-minhash"]
+    parents = {"dedup-exact": type("M", (), {"digest": "d"})()}
+    plain = stage_key(spec, minhash.MinHashConfig(), 0, parents)
+    assert stage_key(spec, minhash.MinHashConfig(dask={"workers": 3, "shards_per_task": 8}, workers=4), 0,
+                     parents) == plain
+    assert stage_key(spec, minhash.MinHashConfig(seed=2), 0, parents) != plain
+    spec = STEPS["dedup-exact"]
+    parents = {"quality": parents["dedup-exact"]}
+    assert (stage_key(spec, dedup_exact.DedupExactConfig(dask={"address": "tcp://h:8786"}), 0, parents)
+            == stage_key(spec, dedup_exact.DedupExactConfig(), 0, parents))
+
+
+@pytest.mark.slow
+def test_pipeline_dedup_stages_on_dask_publish_the_single_process_artifacts(src, tmp_path, prefect_server,
+                                                                           monkeypatch):
+    """dedup-exact then dedup-minhash as the pipeline runs them (Prefect tasks through the
+    runner), once in one process and once with `dask:` on 2 local workers, 2 shards per task:
+    same keys, byte-identical files (equal content digests), same metrics."""
+    from prefect import flow
+
+    import flows.curate_dask as cd
+
+    on_dask = []
+    run_dedup = cd.run_dedup
+    monkeypatch.setattr(cd, "run_dedup", lambda step, *a, **k: on_dask.append(step) or run_dedup(step, *a, **k))
+
+    from glmforge.config import TaskConfig, load_config
+    from glmforge.pipeline import STAGES, get_stage
+    from glmforge.runner import Runner
+    from glmforge.store import LocalStore
+    from tasks.stages import run_in_prefect
+
+    base = ["dedup_exact.shard_size=10", "dedup_minhash.shard_size=9", "dedup_minhash.seed=7",
+            "dedup_minhash.verify_threshold=0.85"]
+    dask = "{workers: 2, processes: false, shards_per_task: 2}"
+    results = {}
+    for name, overrides in (("single", base),
+                            ("dask", [*base, f"dedup_exact.dask={dask}", f"dedup_minhash.dask={dask}"])):
+        cfg = load_config("tiny", overrides=overrides)
+        store = LocalStore(tmp_path / name / "store")
+        runner = Runner(cfg, store, STAGES, home=tmp_path / name / "home")
+        quality = store.publish("quality", "q", src)
+
+        @flow
+        def dedup():
+            exact = run_in_prefect(get_stage("dedup-exact"), TaskConfig(retries=0), runner, {"quality": quality})
+            mh = run_in_prefect(get_stage("dedup-minhash"), TaskConfig(retries=0), runner,
+                                {"dedup-exact": exact.manifest})
+            return exact, mh
+
+        results[name] = dedup()
+    assert on_dask == ["dedup-exact", "dedup-minhash"]  # only the run configured for it
+    for single, distributed in zip(results["single"], results["dask"]):
+        assert single.state == distributed.state == "done"
+        assert single.key == distributed.key
+        assert single.manifest.files == distributed.manifest.files  # names, sizes, sha256
+        assert single.manifest.digest == distributed.manifest.digest
+        assert single.manifest.metrics == distributed.manifest.metrics
+    exact, mh = results["dask"]
+    assert exact.manifest.metrics["removed"] >= 12 and mh.manifest.metrics["removed"] >= 5
+    assert mh.manifest.config["dask"]["workers"] == 2  # recorded, though not in the key
+    assert any(f.path.startswith("removed/") for f in mh.manifest.files)
