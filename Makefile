@@ -1,4 +1,5 @@
-# `make demo` sets up .venv and runs the tiny pipeline; `make test` runs the test suite.
+# `make demo` sets up .venv and runs the tiny pipeline; `make test` runs the test suite;
+# `make bench` refreshes bench/RESULTS.md.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
@@ -29,6 +30,11 @@ effects: setup
 
 test: setup
 	$(PY) -m pytest -q -ra
+
+# every bench under bench/, figures to bench/RESULTS.md (date, machine, settings on each row);
+# hours on 2 cores: `make bench BENCH_ARGS=--quick` for smoke sizes, `BENCH_ARGS="--only s3_upload"` for one
+bench: setup
+	$(PY) bench/all.py $(BENCH_ARGS)
 
 clean:
 	rm -rf .glmforge

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -27,13 +27,56 @@ class RunConfig(BaseModel):
     seed: int = 0
 
 
+_MiB = 1024 * 1024
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": _MiB,
+               "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+
+
+def _byte_size(value: Any) -> Any:
+    """An int of bytes, or a string with a unit: "64MiB", "8 MB", "1GiB" (other values: pydantic says why)."""
+    if isinstance(value, str):
+        import re
+
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+        if m is None or m.group(2).lower() not in _SIZE_UNITS:
+            raise ValueError(f"{value!r} is not a size: bytes, or a number with a unit (e.g. 64MiB, 8MB, 1GiB)")
+        return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    return value
+
+
+ByteSize = Annotated[int, BeforeValidator(_byte_size)]
+
+
+class S3TransferConfig(BaseModel):
+    """boto3 TransferConfig knobs for every file the S3 store uploads or downloads (artifacts,
+    mirrored checkpoints). Sizes are bytes, or strings such as "64MiB". Ignored by a local store."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    multipart_threshold: ByteSize = Field(default=64 * _MiB, ge=5 * _MiB, description=(
+        "files of at least this size go up (and down) in parts; default 64 MiB (boto3's: 8 MiB)"))
+    multipart_chunksize: ByteSize = Field(default=64 * _MiB, ge=5 * _MiB, le=5 * 1024 * _MiB, description=(
+        "part size, 5 MiB to 5 GiB (S3's limits; boto3 raises it for files over 10,000 parts); "
+        "default 64 MiB (boto3's: 8 MiB)"))
+    max_concurrency: int = Field(default=10, ge=1, le=256, description=(
+        "parts (or whole small files) in flight at once: per file, and for all of an artifact's "
+        "files together when it is published; default 10 (boto3's)"))
+    use_threads: bool = Field(default=True, description=(
+        "False: parts go one at a time in the calling thread (max_concurrency unused); default True"))
+
+
 class StoreConfig(BaseModel):
+    """Where artifacts live. Holds no secrets (S3 credentials: environment or a Prefect Secret block),
+    so it may be dumped into run records and logs."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     uri: str | None = Field(default=None, description="local dir or s3://bucket/prefix; default $GLMFORGE_HOME/store")
     credentials_block: str | None = Field(
         default=None, description="name of a Prefect Secret block holding S3 credentials as JSON"
     )
+    transfer: S3TransferConfig = Field(default_factory=S3TransferConfig, description=(
+        "S3 multipart transfer settings (boto3 TransferConfig)"))
 
 
 class TaskConfig(BaseModel):

@@ -10,7 +10,8 @@ _ALLOWED = {"aws_access_key_id", "aws_secret_access_key", "aws_session_token", "
 
 
 def configured_store(cfg: StoreConfig, uri: str | None = None) -> Store:
-    """The store named by `uri` (CLI --store) or the config; credentials never leave this call."""
+    """The store named by `uri` (CLI --store) or the config, with the config's S3 transfer settings;
+    credentials never leave this call."""
     creds = None
     if cfg.credentials_block:
         from prefect.blocks.system import Secret
@@ -22,4 +23,4 @@ def configured_store(cfg: StoreConfig, uri: str | None = None) -> Store:
             raise ValueError(
                 f"Secret block {cfg.credentials_block!r}: unknown keys {sorted(unknown)}; allowed: {sorted(_ALLOWED)}"
             )
-    return open_store(uri or cfg.uri, creds)
+    return open_store(uri or cfg.uri, creds, transfer=cfg.transfer.model_dump())

@@ -63,23 +63,24 @@ def test_s3_stopped_mid_publish_then_retry_lands_complete_artifact(tmp_path, jso
     store = _fast_s3(bucket)
     runner = Runner(cfg, store, STAGES, home=tmp_path / "home")
     key = runner.key(get_stage("ingest"), {})
-    real_put = S3Store.put_file
+    real_put_files = S3Store.put_files
     uploaded: list[str] = []
 
-    def stop_after_first_data_file(self, k, src):
-        if "/data-" in k and uploaded:
-            server.stop()  # the server dies in the middle of the artifact's upload
-        real_put(self, k, src)
-        if "/data-" in k:
-            uploaded.append(k)
+    def stop_after_first_data_file(self, items):
+        (k, src), rest = items[0], items[1:]
+        assert "/data-" in k and rest, "publish uploads the artifact's files together"
+        self.put_file(k, src)
+        uploaded.append(k)
+        server.stop()  # the server dies in the middle of the artifact's upload
+        real_put_files(self, rest)
 
-    monkeypatch.setattr(S3Store, "put_file", stop_after_first_data_file)
+    monkeypatch.setattr(S3Store, "put_files", stop_after_first_data_file)
     t0 = time.monotonic()
     with pytest.raises(StoreUnavailableError) as err:
         runner.run_stage(get_stage("ingest"), {})
     assert time.monotonic() - t0 < 15, "a stopped server must give an error, not a hang"
     assert server.endpoint in str(err.value) and "/data-" in str(err.value) and "unreachable" in str(err.value)
-    monkeypatch.setattr(S3Store, "put_file", real_put)
+    monkeypatch.setattr(S3Store, "put_files", real_put_files)
 
     server.start()
     half = [k for k in store.list(artifact_prefix("ingest", key)) if "/data-" in k]
