@@ -234,6 +234,7 @@ NOT_BENCHES = {
     "all": "this script",
     "memory": "helper module (RSS readings), imported by the benches",
     "effects_common": "helper module of the effects benches",
+    "machine": "helper module: the machine line every bench prints",
     "gpu_check": "the CUDA check; writes its own report: python3 bench/gpu_check.py --out DIR",
 }
 

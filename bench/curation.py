@@ -30,12 +30,13 @@ import datetime
 import hashlib
 import json
 import os
-import platform
 import random
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from machine import machine  # bench/machine.py (this script's directory is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,16 +49,6 @@ def cpu_seconds() -> float:
     own = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().split("\n"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,8 +274,7 @@ def main() -> None:
     print(f"corpus: {n} documents ({len(base)} real + {len(pairs)} planted near-duplicates), {nbytes:,} bytes, "
           f"sha256 {digest}; rates are documents per CPU-second, one process each")
     # every result line says when, where and with what it was measured
-    stamp = (f"[{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%MZ}; {os.cpu_count()} cpus {cpu_model()}, "
-             f"{platform.system()} {platform.machine()}, Python {platform.python_version()}; {n} docs "
+    stamp = (f"[{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%MZ}; {machine()}; {n} docs "
              f"(max {args.max_docs}, {args.planted} planted at {args.edit_rate}) sha256 {digest[:12]}, 5-grams 14x8]")
     ours = bench_ours(docs, pairs)
     rows = []

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import shutil
 import signal
 import socket
@@ -41,6 +40,8 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+
+from machine import machine  # bench/machine.py (this script's directory is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -57,16 +58,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().split("\n"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 class Seaweed:
@@ -242,8 +233,7 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
     stamp = (f"[{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%MZ}; {socket.gethostname()}, "
-             f"{os.cpu_count()} cpus {cpu_model()}, {platform.system()} {platform.machine()}, Python "
-             f"{platform.python_version()}; boto3 {boto3.__version__} to SeaweedFS `weed mini` on 127.0.0.1, "
+             f"{machine()}; boto3 {boto3.__version__} to SeaweedFS `weed mini` on 127.0.0.1, "
              f"{nbytes / MiB:.0f} MiB in {len(files)} files, best of {repeats}, "
              f"multipart_threshold {transfer['multipart_threshold'] / MiB:g} MiB, multipart_chunksize "
              f"{transfer['multipart_chunksize'] / MiB:g} MiB, max_concurrency {transfer['max_concurrency']}, "

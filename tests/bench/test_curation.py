@@ -1,12 +1,14 @@
 """bench/curation.py's corpus and JSONL handling (the bench itself is not run by the tests)."""
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "curation.py"
 
 
 def _bench():
+    sys.path.insert(0, str(SCRIPT.parent))           # as when run as a script: bench/machine.py
     spec = importlib.util.spec_from_file_location("bench_curation", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
