@@ -12,6 +12,20 @@ Each (mode, length) runs in a fresh subprocess. Memory is that process's residen
 high-water mark (getrusage ru_maxrss) minus its resident set just before the measured passes,
 after the model and inputs exist: "extra memory the pass needs".
 
+Measured (shared 2-core VM, 1 thread, load average ~3):
+
+    length  dense fwd  DSA fwd  fwd x  dense train  DSA train  train x  dense MB  DSA MB  mem x
+      1024       0.21     0.13  1.59x         0.45       0.33    1.37x       301     223  0.74x
+      2048       0.99     0.34  2.94x         1.80       0.73    2.47x       690     422  0.61x
+      4096       3.76     1.84  2.04x         7.38       1.88    3.93x      1994     825  0.41x
+      8192      14.81     3.00  4.94x        30.56       4.51    6.77x      7020    1596  0.23x
+
+Before (c5dc8f7, the selection took top-k over the whole [B,T,S] indexer score matrix; same
+session, right after): DSA train 3.44 s at 4K (2.34x) and 10.00 s at 8K (2.80x), forward 2.33 /
+7.60 s. The DSA layers now score and select chunk by chunk over the queries, each chunk against
+the keys up to its last position only (model/indexer.py Indexer.select): about half the scoring
+and top-k work, and no T x S tensor.
+
     python bench/long_context.py                          # 1K .. 8K, tiny preset, top-k 64
     python bench/long_context.py --lengths 1024 2048 --topk 256
 """

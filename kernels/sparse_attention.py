@@ -18,9 +18,16 @@ fixed run to run; dQ is deterministic).
 MQA / absorbed form on CPU (`sparse_attention_mqa`, the form GLM-5 runs DSA in): one gathered
 latent row serves every head, so the torch path gathers each query's K rows once and runs all
 heads as batched matmuls (forward, and a hand-written backward recomputing from the saved
-log-sum-exp, dkv accumulated with index_add_); about 26x faster than the per-head form at 2K
-tokens with 16 heads, and near the CPU's matmul throughput. On CUDA it still runs the per-head
-Triton kernels through a stride-0 head dim (no dedicated MQA Triton kernel yet).
+log-sum-exp, dkv accumulated with index_add_). On CPU it is the fastest form measured even
+though it does ~2.1x the FLOPs per (query, key) pair of the per-head form at GLM-5's widths:
+one 576-byte latent row gathered per selected key feeds all 16 heads as matmuls, where the
+per-head form gathers 16 x (k, v) rows per key and runs (1 x D) products on them, memory-bound.
+Measured at GLM-5 widths / 4, 2K tokens, k = 2048, one core: attention forward + backward
+1.5 s MQA vs 23.8 s per-head (bench/attention.py, --form explicit); per steady-state query the
+MQA path takes
+~0.45 ms forward + ~0.9 ms backward, of which ~15% is the two gathers and ~6% the index_add_.
+On CUDA it still runs the per-head Triton kernels through a stride-0 head dim (no dedicated MQA
+Triton kernel yet).
 
 `dense_reference_attention` builds the full masked (T, S) logits and is only for tests.
 
@@ -65,12 +72,20 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 # Per chunk of C queries the selected keys are gathered head-major, (B, H, C, K', D), so the
 # logits and outputs are batched (1 x D) @ (D x K') products. K' <= K drops trailing slot
 # columns that are empty for the whole chunk (early causal rows select fewer than K keys).
+# Rows are copied with index_select and the key / value gradients scattered with index_add_
+# (was: advanced indexing, ~2x slower per row, and index_put_(accumulate=True); 62 s -> 47 s
+# forward + backward at 2K tokens, 16 heads x 64, k = 2048, one core).
 
 def _rows(idx: torch.Tensor, S: int, H: int) -> torch.Tensor:
     """idx (B, C, K) -> (B, H, C, K) row numbers into x.reshape(B * S * H, D); -1 reads key 0."""
     b = torch.arange(idx.shape[0], device=idx.device)[:, None, None, None]
     h = torch.arange(H, device=idx.device)[None, :, None, None]
     return (b * S + idx.clamp(min=0)[:, None]) * H + h
+
+
+def _gather(x_rows: torch.Tensor, rows: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+    """x_rows (N, D)[rows] -> (*rows.shape, D) in cdt; index_select copies whole rows."""
+    return x_rows.index_select(0, rows.flatten()).view(*rows.shape, x_rows.shape[-1]).to(cdt)
 
 
 def _chunk_indices(indices: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
@@ -108,7 +123,7 @@ def sparse_attention_forward_reference(q, k, v, indices, scale, chunk=None):
         t1 = min(t0 + chunk, T)
         idx = _chunk_indices(indices, t0, t1)                   # (B, C, K')
         rows = _rows(idx, S, H)                                 # (B, H, C, K')
-        kg, vg = k_rows[rows].to(cdt), v_rows[rows].to(cdt)     # (B, H, C, K', D | Dv)
+        kg, vg = _gather(k_rows, rows, cdt), _gather(v_rows, rows, cdt)  # (B, H, C, K', D | Dv)
         q_c = q[:, t0:t1].transpose(1, 2)[..., None, :].to(cdt)  # (B, H, C, 1, D)
         p, lse_c = _probs(q_c, kg, idx >= 0, scale)
         out[:, t0:t1] = (p @ vg).squeeze(-2).transpose(1, 2).to(q.dtype)
@@ -131,16 +146,18 @@ def sparse_attention_backward_reference(q, k, v, indices, scale, out, lse, dout,
         t1 = min(t0 + chunk, T)
         idx = _chunk_indices(indices, t0, t1)                   # (B, C, K')
         rows = _rows(idx, S, H)                                 # (B, H, C, K')
-        kg, vg = k_rows[rows].to(cdt), v_rows[rows].to(cdt)     # (B, H, C, K', D | Dv)
+        kg, vg = _gather(k_rows, rows, cdt), _gather(v_rows, rows, cdt)  # (B, H, C, K', D | Dv)
         q_c = q[:, t0:t1].transpose(1, 2)[..., None, :].to(cdt)  # (B, H, C, 1, D)
         do_c = dout[:, t0:t1].transpose(1, 2)[..., None, :].to(cdt)  # (B, H, C, 1, Dv)
         p, _ = _probs(q_c, kg, idx >= 0, scale, lse[:, t0:t1].transpose(1, 2)[..., None])
         dp = do_c @ vg.mT                                       # (B, H, C, 1, K')
         ds = p * (dp - delta[:, t0:t1].transpose(1, 2)[..., None, None])  # softmax backward
         dq[:, t0:t1] = (ds @ kg).squeeze(-2).transpose(1, 2) * scale
-        # scatter the per-slot key/value gradients back to their rows (empty slots add 0)
-        dk.index_put_((rows.flatten(),), (ds.mT * q_c).reshape(-1, D) * scale, accumulate=True)
-        dv.index_put_((rows.flatten(),), (p.mT * do_c).reshape(-1, DV), accumulate=True)
+        # scatter the per-slot key/value gradients back to their rows (empty slots add 0);
+        # index_add_ is serial on CPU (a fixed summation order) and far faster than index_put_
+        rows = rows.flatten()
+        dk.index_add_(0, rows, (ds.mT * q_c).reshape(-1, D).mul_(scale))
+        dv.index_add_(0, rows, (p.mT * do_c).reshape(-1, DV))
     return dq, dk.view(B, S, H, D), dv.view(B, S, H, DV)
 
 
@@ -320,6 +337,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
 # with N = B * C, and every head reads them through batched matmuls whose M dimension is the
 # head count, so each gathered byte is used 2H (forward) / 4H (backward) times:
 #   forward   logits = (scale q) kg^T            (N, H, K')      out = p kg[..., :Dv]
+#   forward   softmax with one exp pass: p = exp(logits - max), out = (p v) / sum p
 #   backward  [logits | dp] = [scale q | dout 0] kg^T   (one bmm, M = 2H)
 #             ds = p (dp - delta);  dq = scale ds kg;  dkg = [p | ds]^T [dout 0 | scale q]
 # and dkg is scattered into dkv (B * S, D) with index_add_. Empty slots read row 0 under a -inf
@@ -365,11 +383,16 @@ def sparse_attention_mqa_forward_reference(q, kv, indices, scale, dv, chunk=None
             logits = torch.bmm(q_c, kg.mT)                      # (N, H, K')
         else:
             logits = torch.baddbmm(bias, q_c, kg.mT)
-        m = torch.logsumexp(logits, dim=-1)                     # (N, H); -inf for an empty row
-        m_safe = torch.where(torch.isinf(m), 0.0, m)
-        p = logits.sub_(m_safe[..., None]).exp_()               # 0 on empty slots
-        out[:, t0:t1] = torch.bmm(p, kg[..., :dv]).view(B, t1 - t0, H, dv).to(q.dtype)
-        lse[:, t0:t1] = m.view(B, t1 - t0, H)
+        # one exp pass: p = exp(logits - max), normalised after the value product; the max
+        # slot contributes exp(0) = 1, so l >= 1 on every row with a valid slot, and an empty
+        # row (max -inf) gets p = 0, l = 0 -> out 0, lse -inf
+        m = logits.amax(-1, keepdim=True)                       # (N, H, 1)
+        m = torch.where(torch.isinf(m), 0.0, m)
+        p = logits.sub_(m).exp_()                               # 0 on empty slots
+        l = p.sum(-1, keepdim=True)                             # (N, H, 1)
+        o = torch.bmm(p, kg[..., :dv]).div_(l.clamp(min=1.0))   # (N, H, dv)
+        out[:, t0:t1] = o.view(B, t1 - t0, H, dv).to(q.dtype)
+        lse[:, t0:t1] = l.log_().add_(m).view(B, t1 - t0, H)
     return out, lse
 
 
@@ -385,25 +408,35 @@ def sparse_attention_mqa_backward_reference(q, kv, indices, scale, dv, out, lse,
     dkv = torch.zeros(B * S, D, dtype=cdt, device=q.device)
     delta = (dout.to(cdt) * out.to(cdt)).sum(-1)               # (B, T, H)
     lse_safe = torch.where(torch.isinf(lse), 0.0, lse)
+    # [scale q | dout 0] and [dout 0 | scale q], allocated once; the zero columns stay zero
+    n_max = B * min(chunk, T)
+    a_buf = torch.zeros(n_max, 2 * H, D, dtype=cdt, device=q.device)
+    b_buf = torch.zeros(n_max, 2 * H, D, dtype=cdt, device=q.device)
     for t0 in range(0, T, chunk):
         t1 = min(t0 + chunk, T)
         idx, rows, bias = _mqa_chunk(kv_rows, indices, t0, t1, S)
         N, K = idx.shape[0] * idx.shape[1], idx.shape[2]
         kg = kv_rows.index_select(0, rows).view(N, K, D)         # (N, K', D)
-        a = torch.zeros(N, 2 * H, D, dtype=cdt, device=q.device)  # [scale q | dout 0]
-        a[:, :H] = q[:, t0:t1].reshape(N, H, D) * scale
-        a[:, H:, :dv] = dout[:, t0:t1].reshape(N, H, dv)
+        a, b = a_buf[:N], b_buf[:N]
+        q_c = q[:, t0:t1].reshape(N, H, D)
+        do_c = dout[:, t0:t1].reshape(N, H, dv)
+        torch.mul(q_c, scale, out=a[:, :H])
+        a[:, H:, :dv] = do_c
+        b[:, H:] = a[:, :H]
+        b[:, :H, :dv] = do_c
         x = torch.bmm(a, kg.mT)                                 # (N, 2H, K'): logits | dp
         logits, dp = x[:, :H], x[:, H:]
         if bias is not None:
             logits += bias
         logits.sub_(lse_safe[:, t0:t1].reshape(N, H, 1)).exp_()  # p, in place
         dp.sub_(delta[:, t0:t1].reshape(N, H, 1)).mul_(logits)  # ds, in place
-        dq[:, t0:t1] = torch.bmm(dp, kg).view(B, t1 - t0, H, D) * scale
+        if B == 1:                                              # write in place
+            torch.bmm(dp, kg, out=dq[0, t0:t1])
+        else:
+            dq[:, t0:t1] = torch.bmm(dp, kg).view(B, t1 - t0, H, D)
         # x is now [p | ds]: dkg = p^T dout + ds^T (scale q), one bmm against [dout 0 | scale q]
-        a = torch.cat([a[:, H:], a[:, :H]], dim=1)
-        dkv.index_add_(0, rows, torch.bmm(x.mT, a).view(N * K, D))
-    return dq, dkv.view(B, S, D)
+        dkv.index_add_(0, rows, torch.bmm(x.mT, b).view(N * K, D))
+    return dq.mul_(scale), dkv.view(B, S, D)
 
 
 class SparseAttentionMQA(torch.autograd.Function):

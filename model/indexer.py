@@ -40,16 +40,39 @@ class Indexer(nn.Module):
         """x [B,T,D] -> rotated index keys [B,T,Di] (what the cache stores)."""
         return self._rope(self.k_norm(self.wk(x)), cos, sin)
 
-    def scores(self, x: torch.Tensor, q_lat: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, allowed: torch.Tensor, past: int) -> torch.Tensor:
-        """x [B,T,D], q_lat [B,T,Cq], keys [B,S,Di], allowed [B,T,S] -> I [B,T,S] fp32, -inf where not allowed."""
+    def _queries(self, x, q_lat, cos, sin):
         B, T, _ = x.shape
         q = self._rope(self.wq_b(q_lat).view(B, T, self.n_heads, self.head_dim), cos, sin)
         # Both scale factors are positive, so folding them into w equals scaling inside the ReLU.
         w = self.weights_proj(x).float() * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
+        return q, w
+
+    def scores(self, x: torch.Tensor, q_lat: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, allowed: torch.Tensor, past: int) -> torch.Tensor:
+        """x [B,T,D], q_lat [B,T,Cq], keys [B,S,Di], allowed [B,T,S] -> I [B,T,S] fp32, -inf where not allowed."""
+        q, w = self._queries(x, q_lat, cos, sin)
         # The fused kernel has no backward; the torch reference does (indexer training needs it).
         fn = indexer_scores_reference if torch.is_grad_enabled() and w.requires_grad else indexer_scores
         return fn(q, keys, w, causal_offset=past).masked_fill(~allowed, float("-inf"))
+
+    @torch.no_grad()
+    def select(self, x: torch.Tensor, q_lat: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, allowed: torch.Tensor, past: int, k: int, topk_fn,
+               chunk: int = 256) -> torch.Tensor:
+        """select(scores(...), k) without the [B,T,S] scores: `chunk` queries at a time, each
+        against the keys up to its last position only (the later ones are causally masked), then
+        top-k per chunk. -> [B,T,k] long. Row for row the same scores (the kernel scores each
+        query independently, fp32) and so the same selection as topk_fn(scores(...), k)."""
+        q, w = self._queries(x, q_lat, cos, sin)
+        B, T = q.shape[:2]
+        S = keys.shape[1]
+        out = torch.empty(B, T, k, dtype=torch.long, device=q.device)
+        for t0 in range(0, T, chunk):
+            t1 = min(t0 + chunk, T)
+            s1 = min(S, past + t1)                             # keys visible to the chunk
+            sc = indexer_scores(q[:, t0:t1], keys[:, :s1], w[:, t0:t1], causal_offset=past + t0)
+            out[:, t0:t1] = topk_fn(sc.masked_fill_(~allowed[:, t0:t1, :s1], float("-inf")), k)
+        return out
 
 
 def transformers_topk(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -12,12 +12,26 @@ R qk_rope_head_dim, V v_head_dim, C kv_lora_rank, Cq q_lora_rank, K index_topk, 
 
 Two numerically equivalent paths:
 - explicit (dense prefill / training): materialise per-head k and v;
-- absorbed (decode, and every DSA forward): fold W_UK into the query and W_UV into the output,
-  so attention runs over the cached latents [c_KV | k_rope] (C + R values per token), one shared
-  "key head" for all H query heads (MQA), as GLM-5 runs DSA.
+- absorbed (decode): fold W_UK into the query and W_UV into the output, so attention runs over
+  the cached latents [c_KV | k_rope] (C + R values per token), one shared "key head" for all H
+  query heads (MQA), as GLM-5 runs DSA.
 
-Layer kinds: "dsa" attends to the indexer's top-K keys (kernels.sparse_attention_mqa) unless
-dense mode is on; "full" is dense MLA; "swa" is dense MLA within a sliding window.
+DSA layers ("dsa" kind, dense mode off) attend to the indexer's top-K keys in either form, chosen
+per phase by `MLA.sparse_form`:
+- decode / any forward with a cache prefix (past > 0): always absorbed (the explicit form would
+  up-project every cached latent each step);
+- training / prefill (past == 0): "absorbed" (kernels.sparse_attention_mqa over the latents) or
+  "explicit" (kernels.sparse_attention over per-head k, v). "auto" (the default) picks absorbed:
+  measured on CPU at GLM-5 widths / 4 (bench/attention.py --form mqa vs --form explicit, 2K
+  tokens, top-k 2048), one gathered latent row serving all H heads is ~16x faster forward +
+  backward than gathering per-head rows, although the explicit form does ~2.1x fewer FLOPs per
+  (query, key) pair; the Triton (CUDA) kernels have no measurement yet, so auto keeps absorbed
+  there too. Both give the same outputs and gradients (tests/model/test_attention.py).
+The selection itself is computed chunk by chunk over the queries (Indexer.select) unless the
+caller asked for the indexer scores, so no [B,T,S] score matrix is built.
+
+Layer kinds: "dsa" attends to the indexer's top-K keys unless dense mode is on; "full" is dense
+MLA; "swa" is dense MLA within a sliding window.
 """
 
 from __future__ import annotations
@@ -27,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels.sparse_attention import sparse_attention_mqa
+from kernels.sparse_attention import sparse_attention, sparse_attention_mqa
 from kernels.topk import deterministic_topk
 from model.attention import AttnContext, dense_attention, head_summed_probs
 from model.cache import KVCache
@@ -52,7 +66,13 @@ class IndexerOut:
     indices: torch.Tensor       # [B,T,K] long, ascending, -1 = empty slot (deterministic top-k)
 
 
+SPARSE_FORMS = ("auto", "absorbed", "explicit")
+
+
 class MLA(nn.Module):
+    # DSA attention form for training / prefill (see the module docstring); decode is absorbed.
+    sparse_form: str = "auto"
+
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx, self.kind = layer_idx, cfg.kind(layer_idx)
@@ -93,24 +113,29 @@ class MLA(nn.Module):
             c, k_rope, ik = cache.update(cache_layer, c, k_rope, ik)           # now [B,S,*]
         allowed = ctx.mask(self.kind)                                          # [B,T,S]
         idx_out, indices = None, None
-        if self.indexer is not None and (sparse or want.indexer):
-            with torch.set_grad_enabled(want.indexer and torch.is_grad_enabled()):
-                scores = self.indexer.scores(x.detach(), q_lat.detach(), ik, ctx.cos, ctx.sin, allowed, ctx.past)
+        if self.indexer is not None and want.indexer:
+            scores = self.indexer.scores(x.detach(), q_lat.detach(), ik, ctx.cos, ctx.sin, allowed, ctx.past)
             indices = self.select(scores.detach(), self.topk)                  # [B,T,K]
-            if want.indexer:
-                idx_out = IndexerOut(scores, indices)
+            idx_out = IndexerOut(scores, indices)
+        elif sparse:                                   # selection only: chunked, no [B,T,S] scores
+            indices = self.indexer.select(x.detach(), q_lat.detach(), ik, ctx.cos, ctx.sin, allowed,
+                                          ctx.past, self.topk, self.select)    # [B,T,K]
         if not sparse:
             indices = None
 
         # ---- attention ----
-        # Dense prefill/training: explicit per-head keys. Decode and DSA (any length): the absorbed
-        # MQA form over the latent cache, as GLM-5 runs DSA: one gathered latent row serves every
-        # head, which is what makes sparse attention cheaper than dense (bench/attention.py).
-        if ctx.past == 0 and indices is None:
-            out, probs = self._explicit(q_nope, q_rope, c, k_rope, allowed, want.attn_probs)
+        # Dense prefill/training: explicit per-head keys. Decode: the absorbed MQA form over the
+        # latent cache. DSA prefill/training: the form sparse_form picks (module docstring).
+        if ctx.past == 0 and (indices is None or self._sparse_form() == "explicit"):
+            out, probs = self._explicit(q_nope, q_rope, c, k_rope, allowed, indices, want.attn_probs)
         else:
             out, probs = self._absorbed(q_nope, q_rope, c, k_rope, allowed, indices, want.attn_probs)
         return self.o_proj(out.reshape(B, T, H * self.V)), idx_out, probs
+
+    def _sparse_form(self) -> str:
+        if self.sparse_form not in SPARSE_FORMS:
+            raise ValueError(f"sparse_form must be one of {SPARSE_FORMS}, got {self.sparse_form!r}")
+        return "absorbed" if self.sparse_form == "auto" else self.sparse_form
 
     def _restrict(self, allowed: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:
         """allowed [B,T,S] AND selected-by-indexer, for the (optional) probability readout."""
@@ -121,13 +146,16 @@ class MLA(nn.Module):
         sel.scatter_(-1, torch.where(indices < 0, S, indices), True)
         return allowed & sel[..., :S]
 
-    def _explicit(self, q_nope, q_rope, c, k_rope, allowed, want_probs):
+    def _explicit(self, q_nope, q_rope, c, k_rope, allowed, indices, want_probs):
         B, S, _ = c.shape
         k_nope, v = self.kv_b_proj(c).view(B, S, self.H, self.N + self.V).split([self.N, self.V], -1)
         q = torch.cat([q_nope, q_rope], -1)                                    # [B,T,H,N+R]
         k = torch.cat([k_nope, k_rope[:, :, None, :].expand(B, S, self.H, self.R)], -1)  # [B,S,H,N+R]
-        out = dense_attention(q, k, v, allowed, self.scale)                    # [B,T,H,V]
-        probs = head_summed_probs(q, k, allowed, self.scale) if want_probs else None
+        if indices is not None:                                                # DSA, per-head keys
+            out = sparse_attention(q, k, v.contiguous(), indices, self.scale)  # [B,T,H,V]
+        else:
+            out = dense_attention(q, k, v, allowed, self.scale)                # [B,T,H,V]
+        probs = head_summed_probs(q, k, self._restrict(allowed, indices), self.scale) if want_probs else None
         return out, probs
 
     def _absorbed(self, q_nope, q_rope, c, k_rope, allowed, indices, want_probs):

@@ -1,5 +1,6 @@
 """MLA paths, DSA selection and the masks (documents, sliding window)."""
 
+import pytest
 import torch
 
 from kernels.topk import deterministic_topk
@@ -100,3 +101,112 @@ def test_attention_probs_and_indexer_outputs_for_dsa_training(tiny_model):
     for n, prm in tiny_model.named_parameters():
         has = prm.grad is not None and prm.grad.abs().sum() > 0
         assert has == (".indexer." in n and not n.startswith("mtp.")), n
+
+
+def _set_sparse_form(model, form):
+    from model.mla import MLA
+    for mod in model.modules():
+        if isinstance(mod, MLA):
+            mod.sparse_form = form
+
+
+@pytest.mark.parametrize("T", [40, 64, 100])                  # L < top-k, L == top-k, L > top-k
+@pytest.mark.parametrize("padded", [False, True])
+def test_explicit_sparse_training_path_equals_absorbed(T, padded):
+    """DSA training/prefill in the explicit per-head form == the absorbed (MQA) form: outputs and
+    every gradient, fp32, with causal masking, left padding and packed documents."""
+    torch.manual_seed(T)
+    m = GLMModel(preset("tiny"))                              # index_topk 64, MTP on
+    B = 2
+    x = torch.randint(0, 8192, (B, T))
+    y = torch.randint(0, 8192, (B, T))
+    kw = {}
+    if padded:
+        mask = torch.ones(B, T, dtype=torch.long)
+        mask[1, : T // 3] = 0                                 # left padding in row 1
+        y[1, : T // 3] = -100
+        doc = torch.zeros(B, T, dtype=torch.long)
+        doc[0, T // 2:] = 1                                   # two packed documents in row 0
+        kw = {"attention_mask": mask}
+        runs_kw = [dict(kw), {"doc_ids": doc}]
+    else:
+        runs_kw = [kw]
+    for kw in runs_kw:
+        got = {}
+        for form in ("absorbed", "explicit"):
+            _set_sparse_form(m, form)
+            m.zero_grad()
+            out = m(x, labels=y, **kw)
+            out.loss.backward()
+            got[form] = (out.logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters()
+                                               if p.grad is not None})
+        _set_sparse_form(m, "auto")
+        (la, ga), (le, ge) = got["absorbed"], got["explicit"]
+        torch.testing.assert_close(le, la, rtol=1e-5, atol=1e-5)
+        assert ga.keys() == ge.keys() and len(ga) > 0
+        for n in ga:
+            torch.testing.assert_close(ge[n], ga[n], rtol=1e-5, atol=1e-5, msg=n)
+
+
+def test_sparse_form_dispatch(tiny_model, monkeypatch):
+    """auto -> absorbed for training/prefill on CPU; decode is absorbed whatever the setting."""
+    import kernels.sparse_attention as ksa
+    import model.mla as mla
+    calls = []
+    for name in ("sparse_attention", "sparse_attention_mqa"):
+        fn = getattr(ksa, name)
+        monkeypatch.setattr(mla, name, lambda *a, _n=name, _f=fn, **k: calls.append(_n) or _f(*a, **k))
+    x = torch.randint(0, 8192, (1, 80))
+    with torch.no_grad():
+        tiny_model(x)
+        assert set(calls) == {"sparse_attention_mqa"}
+        calls.clear()
+        _set_sparse_form(tiny_model, "explicit")
+        cache = tiny_model.new_cache()
+        tiny_model(x[:, :70], cache=cache)                    # prefill: explicit
+        assert set(calls) == {"sparse_attention"}
+        calls.clear()
+        tiny_model(x[:, 70:71], cache=cache)                  # decode: absorbed
+        assert set(calls) == {"sparse_attention_mqa"}
+        _set_sparse_form(tiny_model, "bogus")
+        with pytest.raises(ValueError, match="sparse_form"):
+            tiny_model(x)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 256])
+def test_chunked_selection_equals_selection_from_full_scores(chunk, monkeypatch):
+    """Indexer.select (chunks of queries, no [B,T,S] scores) == top-k of Indexer.scores, with
+    padding, packed documents, ties (zeroed head) and a cache prefix."""
+    from model.indexer import Indexer
+    torch.manual_seed(chunk)
+    m = GLMModel(preset("tiny")).eval()
+    for layer in m.layers:                                    # exact-zero scores: many ties
+        layer.self_attn.indexer.wq_b.weight.data[:32] = 0.0
+    seen = []
+    orig = Indexer.select
+    monkeypatch.setattr(Indexer, "select", lambda self, *a, **k: seen.append(
+        orig(self, *a, chunk=chunk)) or seen[-1])
+    B, T = 2, 90
+    x = torch.randint(0, 8192, (B, T))
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, :20] = 0
+    doc = torch.zeros(B, T, dtype=torch.long)
+    doc[0, 50:] = 1
+    for kw in ({"attention_mask": mask}, {"doc_ids": doc}):
+        seen.clear()
+        with torch.no_grad():
+            lo = m(x, **kw).logits
+            full = m(x, return_indexer=True, **kw)
+        want = [o.indices for o in full.indexer]
+        assert len(seen) == len(want) and all(torch.equal(s, w) for s, w in zip(seen, want))
+        assert torch.equal(lo, full.logits)
+    caches = [m.new_cache(), m.new_cache()]                   # after a prefill: past > 0
+    with torch.no_grad():
+        for c in caches:
+            m(x[:, :60], cache=c)
+        seen.clear()
+        m(x[:, 60:75], cache=caches[0])
+        full = m(x[:, 60:75], cache=caches[1], return_indexer=True)
+    want = [o.indices for o in full.indexer]
+    assert want[0].shape == (B, 15, m.config.index_topk)
+    assert len(seen) == len(want) and all(torch.equal(s, w) for s, w in zip(seen, want))
