@@ -352,7 +352,7 @@ def publish(cfg: DistillConfig, model: GLMModel, inputs: dict[str, Path], out: P
     metrics.write_tensorboard(records, out / "tensorboard", keys=num)
     plot(records, out / "distill.png", cfg.teachers)
     result["gates"] = gates.finish("distill", out, chain_parent(inputs, teacher_evals, before), "rl-general", before,
-                                   after, cfg.gates.tolerances)
+                                   after, cfg.gates.tolerances, gates.counts(cfg.gates.evals))
     export(model, out, str(inputs["tokenize"]), {k: v for k, v in after.items()})
     save_int4(model, cfg.qat, out / "int4")
     if cfg.export_hf:

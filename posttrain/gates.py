@@ -12,7 +12,10 @@ measures one fixed set of evals on its input model ("before") and on its result 
 All evals run the full-precision weights greedily, so before/after differ only by the stage.
 A stage's config declares a tolerance per eval (`gates.tolerances`): an accuracy may drop by at
 most `tolerance` (absolute), perplexity may rise by at most `tolerance` x before (relative). An
-eval without a tolerance is recorded, not gated. When a gate fails, the stage writes its table
+eval without a tolerance is recorded, not gated. An accuracy is a share of n prompts, so a drop
+also has to exceed the eval's own noise to fail: twice the standard error of the difference of
+two binomial shares over n (`noise` in the table; 0.47 at n = 8 and p = 0.5, 0.14 at n = 100),
+else a stage fails on which 8 GSM8K questions happen to flip. When a gate fails, the stage writes its table
 (gates.json / gates.md / gates.png) and raises GateError carrying the table: it ends failed,
 never done. Long-context accuracy is not measured (the tiny models have 256-token contexts).
 
@@ -47,7 +50,8 @@ class GateEvalConfig(BaseModel):
 
     arithmetic: int = Field(100, ge=1, description="held-out addition prompts")
     gsm8k_path: str = "{samples}/gsm8k/test.jsonl"
-    gsm8k: int = Field(8, ge=1, description="GSM8K test questions (accuracy, perplexity and tool prompts)")
+    gsm8k: int = Field(8, ge=1, description="GSM8K test questions (accuracy and perplexity)")
+    tool: int = Field(32, ge=1, description="GSM8K test questions offered the calculator (tool_call_validity)")
     gsm8k_max_new_tokens: int = Field(48, ge=1)
     tool_max_new_tokens: int = Field(32, ge=1)
     batch: int = Field(64, ge=1, description="sequences per forward / generate call")
@@ -99,7 +103,7 @@ def _greedy(engine: RolloutEngine, prefixes: list[list[int]], max_new: int) -> l
 def _problems(cfg: GateEvalConfig):
     from posttrain.sft_data import read_gsm8k
 
-    probs = read_gsm8k(cfg.gsm8k_path)[: cfg.gsm8k]
+    probs = read_gsm8k(cfg.gsm8k_path)[: max(cfg.gsm8k, cfg.tool)]
     if not probs:
         raise ValueError(f"gates: {cfg.gsm8k_path} has no GSM8K problems")
     return probs
@@ -146,6 +150,7 @@ def measure(model: GLMModel, tokenizer, cfg: GateEvalConfig, seed: int = 0) -> d
 
         probs = _problems(cfg)
         math_tasks = [Task("math", p.question, p.answer) for p in probs]
+        tool_tasks, math_tasks, probs = math_tasks[: cfg.tool], math_tasks[: cfg.gsm8k], probs[: cfg.gsm8k]
         outs = _greedy(engine, [prompt_ids(tokenizer, t) for t in math_tasks], cfg.gsm8k_max_new_tokens)
         gsm = [score_sample(tokenizer.decode(o, skip_special_tokens=True), t).score >= 1.0
                for o, t in zip(outs, math_tasks)]
@@ -155,7 +160,7 @@ def measure(model: GLMModel, tokenizer, cfg: GateEvalConfig, seed: int = 0) -> d
         ppl = perplexity(model, tokenizer, convs, cfg.batch)
 
         tools = [CALCULATOR]
-        outs = _greedy(engine, [prompt_ids(tokenizer, t, tools) for t in math_tasks], cfg.tool_max_new_tokens)
+        outs = _greedy(engine, [prompt_ids(tokenizer, t, tools) for t in tool_tasks], cfg.tool_max_new_tokens)
         valid = []
         for o in outs:
             parsed = parse_assistant(tokenizer.decode(o, skip_special_tokens=False), tools=tools)
@@ -167,22 +172,39 @@ def measure(model: GLMModel, tokenizer, cfg: GateEvalConfig, seed: int = 0) -> d
 
 
 # ---------------------------------------------------------------- gating
+def counts(cfg: GateEvalConfig) -> dict[str, int]:
+    """How many prompts each accuracy is a share of (capped by the held-out addition pool)."""
+    return {"arithmetic_acc": min(cfg.arithmetic, len(arithmetic.pairs("heldout"))), "gsm8k_acc": cfg.gsm8k,
+            "tool_call_validity": cfg.tool}
+
+
+def noise(before: float, after: float, n: int) -> float:
+    """Two standard errors of the difference of two binomial shares over n prompts each (a share
+    of 0 or 1 counts as 1/n or 1 - 1/n: one flip is always within reach)."""
+    var = sum(min(max(p, 1 / n), 1 - 1 / n) * (1 - min(max(p, 1 / n), 1 - 1 / n)) for p in (before, after))
+    return 2 * math.sqrt(var / n)
+
+
 def passes(name: str, before: float, after: float, tolerance: float) -> bool:
     if EVALS[name] > 0:
         return after >= before - tolerance - 1e-12
     return after <= before * (1 + tolerance) + 1e-12
 
 
-def gate(before: dict[str, float], after: dict[str, float], tolerances: dict[str, float]
-         ) -> dict[str, dict[str, Any]]:
-    """{eval: {before, after, tolerance, passed}} (tolerance None: recorded, not gated)."""
+def gate(before: dict[str, float], after: dict[str, float], tolerances: dict[str, float],
+         n: Optional[dict[str, int]] = None) -> dict[str, dict[str, Any]]:
+    """{eval: {before, after, tolerance, passed[, noise]}} (tolerance None: recorded, not gated).
+    With `n` (counts()), an accuracy fails only past max(tolerance, noise)."""
     out = {}
     for name in EVALS:
         if name not in before or name not in after:
             continue
         tol = tolerances.get(name)
-        out[name] = {"before": before[name], "after": after[name], "tolerance": tol,
-                     "passed": True if tol is None else passes(name, before[name], after[name], tol)}
+        entry = {"before": before[name], "after": after[name], "tolerance": tol}
+        if n and name in n:
+            entry["noise"] = round(noise(before[name], after[name], n[name]), 4)
+        allowed = None if tol is None else max(tol, entry.get("noise", 0.0))
+        out[name] = {**entry, "passed": True if allowed is None else passes(name, before[name], after[name], allowed)}
     return out
 
 
@@ -222,7 +244,8 @@ def table(data: dict[str, Any]) -> str:
         e = g.get(name, {})
         tol = e.get("tolerance")
         cells = [name] + ["" if v is None else f"{v:.4g}" for v in vals]
-        cells += ["" if tol is None else f"{tol:g}", "" if not e else ("yes" if e["passed"] else "**NO**")]
+        cells += ["" if tol is None else f"{tol:g}" + (f" (noise {e['noise']:.2g})" if "noise" in e else ""),
+                  "" if not e else ("yes" if e["passed"] else "**NO**")]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -249,12 +272,13 @@ def plot(data: dict[str, Any], png: Path) -> None:
 
 
 def finish(stage: str, out: Path, parent: dict[str, Any] | None, parent_name: str, before: dict[str, float],
-           after: dict[str, float], tolerances: dict[str, float]) -> dict[str, Any]:
+           after: dict[str, float], tolerances: dict[str, float], n: Optional[dict[str, int]] = None
+           ) -> dict[str, Any]:
     """Gate this stage, write gates.json / gates.md / gates.png into `out`, and raise GateError
     when a gate fails. `parent`: read_chain of the parent artifact (None: the chain starts with
-    `parent_name`'s measured `before`). Returns the chain's {stage: {eval: {...}}} (status --json's
-    `gates`)."""
-    data = extend(parent, parent_name, stage, before, after, gate(before, after, tolerances))
+    `parent_name`'s measured `before`); `n`: counts() of the evals. Returns the chain's
+    {stage: {eval: {...}}} (status --json's `gates`)."""
+    data = extend(parent, parent_name, stage, before, after, gate(before, after, tolerances, n))
     out.mkdir(parents=True, exist_ok=True)
     (out / GATES_FILE).write_text(json.dumps(data, indent=1))
     md = table(data)

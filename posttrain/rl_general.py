@@ -330,7 +330,7 @@ def publish(cfg: RLGeneralConfig, model: GLMModel, inputs: dict[str, Path], out:
                                 "reward": s.reward, "status": s.status.value}) + "\n")
     # the gates last: a broken gate raises after the table and plot are written
     result["gates"] = gates.finish("rl-general", out, gates.read_chain(inputs.get("rl-agentic")), "rl-agentic", before, after,
-                                   cfg.gates.tolerances)
+                                   cfg.gates.tolerances, gates.counts(cfg.gates.evals))
     export(model, out, str(inputs["tokenize"]), {"reward_last": (result["reward"] or {}).get("last")})
     return result
 

@@ -317,7 +317,8 @@ def publish(cfg: RLReasoningConfig, model: GLMModel, inputs: dict[str, Path], ou
     }
     # the gate before the export: a stage that breaks one publishes nothing
     result["gates"] = gates.finish("rl-reasoning", out, gates.read_chain(inputs.get("sft")), "sft",
-                                   before["gates"], after["gates"], cfg.gates.tolerances)
+                                   before["gates"], after["gates"], cfg.gates.tolerances,
+                                   gates.counts(cfg.gates.evals))
     export(model, out, str(inputs["tokenize"]), {"heldout_before": b["acc"], "heldout_after": a["acc"]})
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     keys = sorted({k for r in records for k, v in r.items() if isinstance(v, (int, float)) and k != "step"})

@@ -32,7 +32,7 @@ FAST: list[str] = [
     "rl_reasoning.steps=1", "rl_reasoning.prompts_per_step=2", "rl_reasoning.group_size=2", "rl_reasoning.minibatches=1",
     "rl_reasoning.heldout=2", "rl_reasoning.gsm8k_test=1", "rl_reasoning.gsm8k_max_new_tokens=4",
     "rl_reasoning.examples=1",
-    *[f"{s}.gates.evals={{arithmetic: 2, gsm8k: 1, gsm8k_max_new_tokens: 2, tool_max_new_tokens: 2}}"
+    *[f"{s}.gates.evals={{arithmetic: 2, gsm8k: 1, gsm8k_max_new_tokens: 2, tool: 1, tool_max_new_tokens: 2}}"
       for s in ("rl_reasoning", "rl_agentic", "rl_general", "distill")],
     # two-step runs say nothing about regressions: the gates record, they do not fail here
     *[f"{s}.gates.tolerances={{arithmetic_acc: 1, gsm8k_acc: 1, heldout_ppl: 100, tool_call_validity: 1}}"

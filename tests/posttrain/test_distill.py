@@ -127,7 +127,7 @@ def test_distill_stage_chain_table_and_int4_export(tmp_path):
     inputs = artifacts(tmp_path / "in", tok, {"sft": 0, "rl-reasoning": 1, "rl-agentic": 2, "rl-general": 3})
     cfg = DistillConfig(steps=2, prompts_per_teacher=2, lr=1e-3, max_new_tokens=4, checkpoint_every=1,
                         qat={"group_size": 16}, gates={"evals": {"arithmetic": 4, "gsm8k": 2, "gsm8k_max_new_tokens": 4,
-                                                                  "tool_max_new_tokens": 4}, "tolerances": {}})
+                                                                  "tool": 2, "tool_max_new_tokens": 4}, "tolerances": {}})
     m = run_distill(cfg, inputs, Workdir.at(tmp_path / "w", seed=0))
     assert m["steps"] == 2 and set(m["reverse_kl_per_teacher"]) == {"sft", "rl-reasoning", "rl-agentic"}
     assert set(m["domain_accuracy"]["rl-reasoning"]["arithmetic_acc"]) == {"teacher", "before", "after", "recovered"}

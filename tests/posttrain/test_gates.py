@@ -20,6 +20,21 @@ def test_tolerances_are_absolute_for_accuracy_and_relative_for_perplexity():
     assert free["arithmetic_acc"] == {"before": 0.5, "after": 0.0, "tolerance": None, "passed": True}
 
 
+def test_an_accuracy_drop_within_the_evals_noise_does_not_fail():
+    # 8 prompts: 0.5 -> 0.25 is two flips, within 2 SE (0.47); over 100 prompts the same drop fails
+    small, large = gates.counts(gates.GateEvalConfig(tool=8)), gates.counts(gates.GateEvalConfig(tool=100))
+    before, after, tol = {"tool_call_validity": 0.5}, {"tool_call_validity": 0.25}, {"tool_call_validity": 0.2}
+    g8 = gates.gate(before, after, tol, small)["tool_call_validity"]
+    assert g8["passed"] and g8["noise"] == pytest.approx(2 * ((0.25 + 0.1875) / 8) ** 0.5, abs=1e-4)
+    g100 = gates.gate(before, after, tol, large)["tool_call_validity"]
+    assert not g100["passed"] and g100["noise"] == pytest.approx(2 * ((0.25 + 0.1875) / 100) ** 0.5, abs=1e-4)
+    # a share of 0 or 1 still has one flip's noise; perplexity has no binomial noise
+    assert gates.noise(1.0, 1.0, 100) == pytest.approx(2 * (2 * 0.01 * 0.99 / 100) ** 0.5)
+    assert "noise" not in gates.gate({"heldout_ppl": 10.0}, {"heldout_ppl": 20.0}, {"heldout_ppl": 0.5}, large)["heldout_ppl"]
+    from rl import arithmetic
+    assert gates.counts(gates.GateEvalConfig(arithmetic=5000))["arithmetic_acc"] == len(arithmetic.pairs("heldout"))
+
+
 def test_unknown_eval_in_tolerances_is_refused():
     with pytest.raises(ValueError, match="unknown evals"):
         GateConfig(tolerances={"mmlu": 0.1})

@@ -17,7 +17,7 @@ from rl.judges import JudgeService, combine, disagreement, parse_grm_score, rule
 from rl.sample import Task
 from tests.posttrain._chain import artifacts, make_tokenizer
 
-EVALS = {"arithmetic": 4, "gsm8k": 2, "gsm8k_max_new_tokens": 4, "tool_max_new_tokens": 4}
+EVALS = {"arithmetic": 4, "gsm8k": 2, "gsm8k_max_new_tokens": 4, "tool": 2, "tool_max_new_tokens": 4}
 
 
 @pytest.fixture(scope="module")

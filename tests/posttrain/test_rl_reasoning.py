@@ -31,7 +31,7 @@ def _cfg(**kw) -> RLReasoningConfig:
     base = dict(steps=3, prompts_per_step=2, group_size=4, lr=1e-3, max_new_tokens=4, heldout=8,
                 gsm8k_test=2, gsm8k_max_new_tokens=4, checkpoint_every=1, rollout_int4={"group_size": 16},
                 reward_timeout_s=30,
-                gates={"evals": {"arithmetic": 4, "gsm8k": 2, "gsm8k_max_new_tokens": 4, "tool_max_new_tokens": 4}})
+                gates={"evals": {"arithmetic": 4, "gsm8k": 2, "gsm8k_max_new_tokens": 4, "tool": 2, "tool_max_new_tokens": 4}})
     return RLReasoningConfig(**{**base, **kw})
 
 
