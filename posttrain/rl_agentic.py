@@ -50,7 +50,7 @@ from posttrain import gates
 from posttrain.chat_template import STOP_TOKENS
 from posttrain.gates import GateConfig
 from posttrain.qat import QATConfig
-from rl.agent import context_for, run_group
+from rl.agent import context_for, prompt_tools, run_group
 from rl.envs import ENVIRONMENTS, make_env, tasks_for
 from rl.grpo import collate
 from rl.loss import double_sided_is_loss, group_advantages
@@ -140,7 +140,7 @@ def episodes(engine, tokenizer, cfg: RLAgenticConfig, task: Task, group: int, n:
              seed: int) -> list[Sample]:
     """In-process episodes (the synchronous path and evaluation): what a rollout worker runs."""
     make = env_factory(cfg, task)
-    ctx = context_for(cfg.context.model_dump() if cfg.context else None, tokenizer, make().tools)
+    ctx = context_for(cfg.context.model_dump() if cfg.context else None, tokenizer, prompt_tools(make()))
     return run_group(engine, tokenizer, make, task, group, n, params, cfg.max_turns, seed, context=ctx)
 
 
@@ -293,9 +293,12 @@ def run_rl_agentic(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workd
                 reset_optimizer(opt)
                 if pool is not None:
                     pool.publish(model, state["version"])
-            rewards = [s.reward for ss in take.values() for s in ss]
+            trained = [s for ss in take.values() for s in ss]
+            rewards = [s.reward for s in trained]
+            # a tool result in the response (loss-masked observation tokens) means the episode called a tool
             rec.update(step=state["step"], version=state["version"], groups=sorted(take),
-                       reward=sum(rewards) / len(rewards), wait_s=idle, step_s=time.perf_counter() - t_prev,
+                       reward=sum(rewards) / len(rewards),
+                       tool_call_rate=sum(0 in s.loss_mask for s in trained) / len(trained), wait_s=idle, step_s=time.perf_counter() - t_prev,
                        worker_restarts=pool.restarts if pool else 0, rerouted=pool.rerouted if pool else 0)
             metrics.append(log_path, rec)
             workdir.progress(state["step"], cfg.steps, f"rl-agentic reward {rec['reward']:.3f}")
@@ -312,7 +315,7 @@ def run_rl_agentic(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workd
     records = metrics.read(log_path)
     gated = gates.finish("rl-agentic", workdir.out, gates.read_chain(inputs.get("rl-reasoning")), "rl-reasoning",
                          state["gates_before"], gates.measure(model, tokenizer, cfg.gates.evals, seed),
-                         cfg.gates.tolerances)
+                         cfg.gates.tolerances, gates.counts(cfg.gates.evals))
     return {**publish(model, inputs, workdir.out, records, state["before"], after), "gates": gated}
 
 
@@ -345,6 +348,7 @@ def publish(model, inputs, out: Path, records, before, after) -> dict[str, Any]:
                              for e in after},
         "dropped": dict(drops),
         "kept_length_mean": first_last(records, "kept_length_mean"),
+        "tool_call_rate": first_last(records, "tool_call_rate"),
         "dropped_length_mean": _mean([r["dropped_length_mean"] for r in records if r.get("dropped_length_mean")]),
         "is_masked_fraction": sum(r.get("is_masked_fraction", 0.0) for r in records) / len(records),
         "version_lag_histogram": dict(sorted(lags.items())),

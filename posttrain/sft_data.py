@@ -81,6 +81,13 @@ class SFTDataConfig(BaseModel):
                             "(rl.arithmetic): the warm start that puts RL at the edge of competence")
     arithmetic_with_tools: float = Field(0.0, ge=0, le=1, description="share of arithmetic demonstrations "
                                          "that offer the calculator and answer directly")
+    arithmetic_tool_calls: float = Field(0.0, ge=0, le=1, description="share of arithmetic demonstrations "
+                                         "that call the calculator in the prompt's notation and copy its "
+                                         "result (rl.envs.calc_arith with reverse_digits: the agentic warm start)")
+    arithmetic_tool_digits: int = Field(2, ge=1, le=4, description="operand digits of those demonstrations "
+                                        "(3: rl.envs calc_arith3, sums beyond the direct demonstrations)")
+    arithmetic_tool_schema: bool = Field(True, description="show the calculator's schema in those demonstrations' "
+                                         "prompt (calc_arith's schema_in_prompt must agree)")
     arithmetic_corrupt: float = Field(0.35, ge=0, lt=1, description="share of arithmetic demonstrations with "
                                       "one wrong digit (keeps sampled accuracy where GRPO has reward variance)")
     val_per_kind: int = Field(16, ge=1, description="held-out conversations of each kind")
@@ -305,18 +312,38 @@ def code_sample(i: int, f: Function) -> Sample:
                            Message("assistant", f"```python\n{f.source}\n```", reasoning=reasoning)), None, mode)
 
 
-def arithmetic_samples(n: int, split: str, seed: int, corrupt: float, with_tools: float = 0.0) -> list[Sample]:
+def arithmetic_samples(n: int, split: str, seed: int, corrupt: float, with_tools: float = 0.0,
+                       tool_calls: float = 0.0, tool_schema: bool = True,
+                       tool_digits: int = arithmetic.DIGITS) -> list[Sample]:
     """Addition in rl.arithmetic's format, thinking off; held-out pairs only in the val split.
     A `with_tools` share offers the calculator and answers directly: without it the model learns
     that an offered tool is always called, and agentic RL's calc_arith (the same prompt with the
-    calculator) starts with no correct answer at all, so no reward variance to learn from."""
+    calculator) starts with no correct answer at all, so no reward variance to learn from.
+    A `tool_calls` share calls the calculator with the operands in the prompt's notation and copies
+    its answer-format result, as rl.envs.calc_arith(reverse_digits=True) prints it; `corrupt`
+    puts one wrong digit into that copy as into direct answers; tool_schema=False leaves the
+    schema out of their prompt (calc_arith's schema_in_prompt=False); they add `tool_digits`-digit
+    operands (held-out pairs only in the val split, as for the direct ones)."""
     rng = random.Random(seed)
+    split = "train" if split == "train" else "heldout"
+    wide = tool_digits != arithmetic.DIGITS and tool_calls > 0
+    wide_pairs = arithmetic.pairs(split, tool_digits) if wide else []
     out = []
-    for t in arithmetic.tasks(n, "train" if split == "train" else "heldout", seed):
+    for t in arithmetic.tasks(n, split, seed):
+        calls = tool_calls and rng.random() < tool_calls                                  # no draw at 0
+        if calls and wide:
+            t = arithmetic.task(*rng.choice(wide_pairs), tool_digits)
         answer = arithmetic.corrupted(t.answer, rng) if split == "train" and rng.random() < corrupt else t.answer
+        user = Message("user", t.prompt, thinking=False)
+        if calls:
+            call = ToolCall("calculator", {"expression": arithmetic.expression(t.meta["a"], t.meta["b"],
+                                                                               t.meta["digits"])})
+            out.append(Sample("arithmetic", (user, Message("assistant", tool_calls=(call,)),
+                                             Message("tool", t.answer), Message("assistant", answer)),
+                              (CALCULATOR,) if tool_schema else None, "turn"))
+            continue
         tools = (CALCULATOR,) if with_tools and rng.random() < with_tools else None   # no draw at 0
-        out.append(Sample("arithmetic", (Message("user", t.prompt, thinking=False), Message("assistant", answer)),
-                          tools, "turn"))
+        out.append(Sample("arithmetic", (user, Message("assistant", answer)), tools, "turn"))
     return out
 
 
@@ -363,7 +390,8 @@ def build_samples(cfg: SFTDataConfig) -> dict[str, list[Sample]]:
                 + _take((_valid(docs_sample, i, f, index) for i, f in enumerate(fs)), counts["tool_docs"])
                 + _take((_valid(code_sample, i, f) for i, f in enumerate(short)), counts["code"])
                 + arithmetic_samples(counts["arithmetic"], split, cfg.seed, cfg.arithmetic_corrupt,
-                                     cfg.arithmetic_with_tools))
+                                     cfg.arithmetic_with_tools, cfg.arithmetic_tool_calls, cfg.arithmetic_tool_schema,
+                                     cfg.arithmetic_tool_digits))
 
     train = for_split(train_p, kept, {k: getattr(cfg, k) for k in KINDS}, "train")
     val = for_split(eval_p, held, {k: cfg.val_per_kind if getattr(cfg, k) else 0 for k in KINDS}, "val")

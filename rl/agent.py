@@ -32,7 +32,7 @@ from rl.sample import Sample, Status, Task
 
 
 class Env(Protocol):
-    tools: list[dict]
+    tools: list[dict]          # what a call is checked against; shown in the prompt unless prompt_tools says otherwise
 
     def reset(self, task: Task) -> str: ...
 
@@ -53,6 +53,12 @@ def context_for(settings: dict[str, Any] | None, tokenizer, tools: list[dict]) -
 
     return context_manager(settings["keep_recent"], settings.get("max_tokens"),
                            TemplateTokenCounter(tokenizer, tools))
+
+
+def prompt_tools(env: Env) -> list[dict] | None:
+    """The tool schemas the prompt shows: env.prompt_tools where an environment sets it (None: the
+    tools are known from training, not described), else env.tools."""
+    return getattr(env, "prompt_tools", env.tools)
 
 
 def seed_for(*parts: Any) -> int:
@@ -87,7 +93,7 @@ def run_group(engine: RolloutEngine, tokenizer, make_env: Callable[[], Env], tas
     for _ in range(n):
         env = make_env()
         first = Message("user", env.reset(task), thinking=False)
-        ids = encode(tokenizer, [first], env.tools, thinking_mode="turn", add_generation_prompt=True).ids
+        ids = encode(tokenizer, [first], prompt_tools(env), thinking_mode="turn", add_generation_prompt=True).ids
         eps.append(_Episode(env, [first], Sample(task, group, ids), []))
     obs_token = tokenizer.token_to_id(OBSERVATION)
     for turn in range(max_turns):
@@ -146,6 +152,6 @@ def _maybe_fork(e: _Episode, tokenizer, context: ContextManager) -> None:
     if not rewritten:
         return
     e.forks.append(e.sample)
-    ids = encode(tokenizer, shown, e.env.tools, thinking_mode="turn", add_generation_prompt=True).ids
+    ids = encode(tokenizer, shown, prompt_tools(e.env), thinking_mode="turn", add_generation_prompt=True).ids
     e.sample = Sample(e.sample.task, e.sample.group, ids)
     e.messages = list(shown)

@@ -30,6 +30,12 @@ def answer_digits(a: int, b: int, digits: int) -> str:
     return "".join(f" {d}" for d in reversed(str(a + b).zfill(digits + 1)))
 
 
+def expression(a: int, b: int, digits: int = DIGITS) -> str:
+    """The calculator expression in the prompt's notation ("3 4 + 5 7"): one token per digit, as in
+    the prompt, so a call is a copy (byte-level BPE merges "34" into one token the prompt never has)."""
+    return f"{spaced(a, digits)} +{spaced(b, digits)}".strip()
+
+
 def task(a: int, b: int, digits: int = DIGITS) -> Task:
     return Task(DOMAIN, f"{spaced(a, digits)} +{spaced(b, digits)} =", answer_digits(a, b, digits),
                 {"a": a, "b": b, "digits": digits})

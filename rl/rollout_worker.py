@@ -38,7 +38,7 @@ def serve(address: tuple[str, int], worker_id: str) -> None:
     from model.hf import load_state
     from posttrain.chat_template import STOP_TOKENS
     from posttrain.qat import QATConfig
-    from rl.agent import context_for, run_group
+    from rl.agent import context_for, prompt_tools, run_group
     from rl.envs import make_env
     from rl.rollout import RolloutEngine, SamplingParams
     from rl.wire import sample_to_dict, task_from_dict
@@ -91,7 +91,7 @@ def serve(address: tuple[str, int], worker_id: str) -> None:
                 t = task_from_dict(task)
                 env = lambda: make_env(t.domain, **cfg["env_args"].get(t.domain, {}))  # noqa: E731
                 samples = run_group(engine, tokenizer, env, t, group, n, params, cfg["max_turns"], cfg["seed"],
-                                    context=context_for(cfg.get("context"), tokenizer, env().tools), on_turn=drain)
+                                    context=context_for(cfg.get("context"), tokenizer, prompt_tools(env())), on_turn=drain)
                 send(("result", worker_id, group, [sample_to_dict(s) for s in samples]))
     except (EOFError, OSError):
         pass                                   # the orchestrator went away: nothing to answer to

@@ -7,12 +7,18 @@ real) may be called any number of times; its result may be used or ignored. The 
 the final answer (the assistant message without tool calls): 1 iff its leading digits are the
 answer's digits (as rl.rewards' arithmetic reward), no bonus or penalty for tool use.
 
-reverse_digits=True makes the tool print its result in the answer's format (" 1 9 0" for 91),
-so copying the observation is an answer a width-32 model can learn; the default is the plain
-calculator ("91").
+The tool reads numbers in the domain's notation too: digits separated by spaces are one number
+("3 4 + 5 7" is 34 + 57), so a call can copy the prompt's tokens. reverse_digits=True makes it print
+its result in the answer's format (" 1 9 0" for 91), so copying the observation is an answer a
+width-32 model can learn (posttrain.sft_data demonstrates exactly that); the default is the plain
+calculator ("91"). schema_in_prompt=False leaves the calculator's schema out of the prompt (the
+call is still checked against it): the chat template's tool preamble is ~190 tokens, three times
+the tiny preset's DSA top-k of 64 and ten times the episode itself; a model SFT-trained on
+schema-less demonstrations knows the tool without it.
 """
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 from posttrain.chat_template import ToolCall
@@ -23,13 +29,18 @@ from rl.sample import Task
 from posttrain.sft_data import CALCULATOR, calculator
 
 
+_SPACED_DIGITS = re.compile(r"(?<=\d) +(?=\d)")     # "3 4" -> "34"
+
+
 @register_env("calc_arith")
 class CalcArith:
     name = "calc_arith"
+    DIGITS = arithmetic.DIGITS          # operand digits of the tasks
 
-    def __init__(self, reverse_digits: bool = False, digits: int = arithmetic.DIGITS):
-        self.reverse_digits, self.digits = bool(reverse_digits), int(digits)
+    def __init__(self, reverse_digits: bool = False, digits: int | None = None, schema_in_prompt: bool = True):
+        self.reverse_digits, self.digits = bool(reverse_digits), int(digits or self.DIGITS)
         self.tools = [CALCULATOR]
+        self.prompt_tools = self.tools if schema_in_prompt else None
         self.task: Task | None = None
         self.calls = 0
 
@@ -41,7 +52,7 @@ class CalcArith:
 
     def _calc(self, expression: str) -> str:
         try:
-            value = calculator(expression)
+            value = calculator(_SPACED_DIGITS.sub("", expression))
         except ValueError as e:
             return f"error: {e}"
         if self.reverse_digits and value.isdigit():
@@ -64,5 +75,13 @@ class CalcArith:
     @classmethod
     def tasks(cls, split: str, n: int, seed: int) -> list[Task]:
         pool = [Task(cls.name, t.prompt, t.answer, t.meta) for t in
-                (arithmetic.task(a, b) for a, b in arithmetic.pairs(split))]
+                (arithmetic.task(a, b, cls.DIGITS) for a, b in arithmetic.pairs(split, cls.DIGITS))]
         return draw(pool, split, n, seed)
+
+
+@register_env("calc_arith3")
+class CalcArith3(CalcArith):
+    """calc_arith on three-digit operands, sums the tiny model never learned to add: a direct answer
+    almost never scores, a calculator call whose result is copied does (with reverse_digits)."""
+    name = "calc_arith3"
+    DIGITS = 3

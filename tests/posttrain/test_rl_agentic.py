@@ -29,7 +29,7 @@ def inputs(tmp_path_factory):
 def _cfg(**kw) -> RLAgenticConfig:
     base = dict(steps=3, prompts_per_step=2, group_size=3, lr=1e-3, max_new_tokens=6, max_turns=2, heldout=2,
                 workers=1, eta=0, tau=0, sync_every=1, checkpoint_every=1, environments={"calc_arith": 1.0},
-                gates={"evals": {"arithmetic": 4, "gsm8k": 2, "gsm8k_max_new_tokens": 4, "tool_max_new_tokens": 4}})
+                gates={"evals": {"arithmetic": 4, "gsm8k": 2, "gsm8k_max_new_tokens": 4, "tool": 2, "tool_max_new_tokens": 4}})
     return RLAgenticConfig(**{**base, **kw})
 
 
@@ -92,7 +92,7 @@ from posttrain.rl_agentic import RLAgenticConfig, run_rl_agentic
 shutdown.install()
 cfg = RLAgenticConfig(steps=1000, prompts_per_step=2, group_size=3, max_new_tokens=6, max_turns=2, heldout=1,
                       workers=2, environments={{"calc_arith": 1.0}},
-                      gates={{"evals": {{"arithmetic": 1, "gsm8k": 1, "gsm8k_max_new_tokens": 1, "tool_max_new_tokens": 1}}}})
+                      gates={{"evals": {{"arithmetic": 1, "gsm8k": 1, "gsm8k_max_new_tokens": 1, "tool": 1, "tool_max_new_tokens": 1}}}})
 inputs = {{"tokenize": Path({str(inputs["tokenize"])!r}), "rl-reasoning": Path({str(inputs["rl-reasoning"])!r})}}
 try:
     run_rl_agentic(cfg, inputs, Workdir.at(Path({str(tmp_path)!r}), seed=1))

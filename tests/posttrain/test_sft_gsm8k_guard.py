@@ -36,3 +36,39 @@ def test_arithmetic_demos_offer_the_calculator_to_a_share_and_answer_directly():
     assert [s.messages for s in mixed] == [s.messages for s in plain]
     assert all(len(s.messages) == 2 and s.messages[1].role == "assistant" and not s.messages[1].tool_calls
                for s in offered)
+
+
+def test_arithmetic_tool_call_demos_are_what_calc_arith_returns():
+    # the demonstration's call, run through the agentic environment, prints exactly the observation
+    # the demonstration shows; the final answer copies it (one wrong digit where corrupted)
+    from posttrain.sft_data import CALCULATOR, arithmetic_samples
+    from rl.envs import make_env
+    from rl.sample import Task
+
+    demos = [s for s in arithmetic_samples(400, "train", seed=3, corrupt=0.3, tool_calls=0.25) if s.tools]
+    assert 70 <= len(demos) <= 130 and all(s.tools == (CALCULATOR,) for s in demos)
+    # without the schema in the prompt: the same conversations, nothing offered in the system turn
+    bare = arithmetic_samples(400, "train", seed=3, corrupt=0.3, tool_calls=0.25, tool_schema=False)
+    assert [s.messages for s in bare if len(s.messages) == 4] == [s.messages for s in demos]
+    assert all(s.tools is None for s in bare)
+    env = make_env("calc_arith", reverse_digits=True)
+    copied = 0
+    for s in demos:
+        user, call, tool, final = s.messages
+        (tc,) = call.tool_calls
+        assert " " in tc.arguments["expression"] and "=" not in tc.arguments["expression"]
+        env.reset(Task("calc_arith", user.content, tool.content, {}))
+        assert env.step([tc]).observations == [tool.content]
+        assert env.final_reward(tool.content).score == 1.0
+        copied += final.content == tool.content
+        assert sum(a != b for a, b in zip(final.content.split(), tool.content.split())) <= 1
+    assert 0.5 * len(demos) < copied < len(demos)           # corrupt=0.3: most copies exact, some not
+    # three-digit operands for calc_arith3: sums beyond the direct (two-digit) demonstrations
+    wide = [s for s in arithmetic_samples(200, "train", seed=3, corrupt=0.0, tool_calls=0.25, tool_digits=3)
+            if len(s.messages) == 4]
+    env3 = make_env("calc_arith3", reverse_digits=True, schema_in_prompt=False)
+    for s in wide:
+        user, call, tool, final = s.messages
+        assert len(user.content.split()) == 8 and final.content == tool.content     # " 1 2 3 + 4 5 6 ="
+        env3.reset(Task("calc_arith3", user.content, tool.content, {}))
+        assert env3.step(list(call.tool_calls)).observations == [tool.content]

@@ -54,6 +54,14 @@ def test_calc_arith_rewards_the_final_answer():
     rev = make_env("calc_arith", reverse_digits=True)
     rev.reset(task)
     assert rev.step([ToolCall("calculator", {"expression": f"{a} + {b}"})]).observations == [task.answer]
+    assert rev.prompt_tools == rev.tools and make_env("calc_arith", schema_in_prompt=False).prompt_tools is None
+    (t3,) = tasks_for("calc_arith3", "heldout", 1, 0)
+    assert t3.domain == "calc_arith3" and t3.meta["digits"] == 3 and len(t3.answer.split()) == 4
+    e3 = make_env("calc_arith3", reverse_digits=True)
+    e3.reset(t3)
+    assert e3.step([ToolCall("calculator", {"expression": t3.prompt.strip(" =")})]).observations == [t3.answer]
+    # the prompt's notation: digits one token each, "3 4 + 5 7" is 34 + 57
+    assert rev.step([ToolCall("calculator", {"expression": task.prompt.strip(" =")})]).observations == [task.answer]
 
 
 class ScriptedEngine:
