@@ -74,9 +74,8 @@ class CalcArith:
 
     @classmethod
     def tasks(cls, split: str, n: int, seed: int) -> list[Task]:
-        pool = [Task(cls.name, t.prompt, t.answer, t.meta) for t in
-                (arithmetic.task(a, b, cls.DIGITS) for a, b in arithmetic.pairs(split, cls.DIGITS))]
-        return draw(pool, split, n, seed)
+        drawn = draw(arithmetic.pairs(split, cls.DIGITS), split, n, seed)   # then build only the drawn tasks
+        return [Task(cls.name, t.prompt, t.answer, t.meta) for t in (arithmetic.task(a, b, cls.DIGITS) for a, b in drawn)]
 
 
 @register_env("calc_arith3")
