@@ -40,9 +40,9 @@ def arm(inputs: dict, root: Path, eta: int, tau: int, a) -> tuple[float, dict]:
                           environments={"delayed": 1.0},
                           env_args={"delayed": {"median_s": a.median_s, "sigma": a.sigma}},
                           gates={"evals": {"arithmetic": 1, "gsm8k": 1, "gsm8k_max_new_tokens": 1,
-                                           "tool_max_new_tokens": 1}})
+                                           "tool": 1, "tool_max_new_tokens": 1}})
     m = run_rl_agentic(cfg, inputs, Workdir.at(root, seed=0))
-    steps = [json.loads(x) for x in (root / "out" / "metrics.jsonl").read_text().splitlines()]
+    steps = [json.loads(x) for x in (root / "out" / "metrics.jsonl").read_text().split("\n") if x.strip()]
     return sum(r["step_s"] for r in steps), m
 
 

@@ -29,6 +29,7 @@ lost or trained twice: each step records the group ids it trained on.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -115,6 +116,20 @@ class RLAgenticConfig(BaseModel):
             raise ValueError(f"unknown environments {bad}; known: {', '.join(sorted(ENVIRONMENTS))}")
         if any(w < 0 for w in v.values()) or not any(w > 0 for w in v.values()):
             raise ValueError("environment weights must be >= 0 with at least one > 0")
+        return v
+
+    @field_validator("env_args")
+    @classmethod
+    def _env_args(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        # refused here, before any work, not in a rollout worker's constructor call
+        for name, args in v.items():
+            if name not in ENVIRONMENTS:
+                raise ValueError(f"env_args: unknown environment {name!r}; known: {', '.join(sorted(ENVIRONMENTS))}")
+            params = inspect.signature(ENVIRONMENTS[name].__init__).parameters
+            bad = sorted(set(args) - set(params) - {"self"})
+            if bad and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+                raise ValueError(f"env_args.{name}: unknown arguments {bad}; "
+                                 f"{name} takes {', '.join(p for p in params if p != 'self') or 'none'}")
         return v
 
 

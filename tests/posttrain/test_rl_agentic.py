@@ -112,3 +112,14 @@ except KeyboardInterrupt:
     time.sleep(0.5)
     alive = [p for p in workers if os.path.exists(f"/proc/{p}") and "rl.rollout_worker" in open(f"/proc/{p}/cmdline").read()]
     assert not alive, f"rollout workers outlived the stage: {alive}"
+
+
+def test_env_args_are_checked_against_the_environment_before_any_work():
+    ok = RLAgenticConfig(environments={"calc_arith3": 1.0},
+                         env_args={"calc_arith3": {"reverse_digits": True, "schema_in_prompt": False}})
+    assert ok.env_args["calc_arith3"]["schema_in_prompt"] is False
+    with pytest.raises(ValueError, match=r"env_args.calc_arith: unknown arguments \['reverse'\]; calc_arith takes "
+                                         r"reverse_digits, digits, schema_in_prompt"):
+        RLAgenticConfig(env_args={"calc_arith": {"reverse": True}})
+    with pytest.raises(ValueError, match="env_args: unknown environment 'calc'"):
+        RLAgenticConfig(env_args={"calc": {}})
