@@ -32,7 +32,7 @@ class StepConfig(BaseModel):
 
 class DaskConfig(StepConfig):
     """Run a dedup stage's shard-level steps (data_processing.sharded_dedup) as Prefect tasks on
-    prefect-dask's DaskTaskRunner (flows/curate_dask.py) instead of in one process. The output is
+    prefect-dask's DaskTaskRunner (tasks/dask_dedup.py) instead of in one process. The output is
     the same either way, so the whole section is operational: it stays out of the stage key.
 
     address unset: a LocalCluster of `workers` worker processes (threads with processes=False)

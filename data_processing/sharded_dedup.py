@@ -4,7 +4,7 @@ Every function here is pure and picklable: it reads its input shard(s) or interm
 from a shared directory (`scratch`), writes its own output files there, and returns small
 counts. No step holds more than one input shard, one band's bucket keys or the candidate-pair
 graph (so no single process holds all signatures). The fan-out (Prefect tasks on Dask) lives in
-flows/curate_dask.py; this module never imports Prefect or Dask.
+tasks/dask_dedup.py; this module never imports Prefect or Dask.
 
 The output equals the single-process steps (dedup_exact.run, minhash.run) for the same input
 and config: same kept documents in the same order, same output shard boundaries, same removed/

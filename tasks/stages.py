@@ -63,11 +63,11 @@ def _retry_unless_preempted(task, task_run, state) -> bool:
 
 def engine(spec: StageSpec, section: Any) -> StageFn | None:
     """The stage function to run in place of spec.run, or None for spec.run itself: the Dask
-    path of a dedup stage whose section has a `dask:` entry (flows/curate_dask.py). Same files
+    path of a dedup stage whose section has a `dask:` entry (tasks/dask_dedup.py). Same files
     and metrics, same key (the entry is operational)."""
     if getattr(section, "dask", None) is None:
         return None
-    from flows.curate_dask import STEPS, stage_runner  # prefect-dask and dask, only when asked for
+    from tasks.dask_dedup import STEPS, stage_runner  # prefect-dask and dask, only when asked for
 
     return stage_runner(spec.name) if spec.name in STEPS else None
 

@@ -49,7 +49,7 @@ def src(tmp_path_factory):
 
 @pytest.mark.slow
 def test_dedup_on_two_dask_workers_equals_single_process(src, tmp_path, prefect_server):
-    from flows.curate_dask import DaskSettings, run_dedup
+    from tasks.dask_dedup import DaskSettings, run_dedup
 
     settings = DaskSettings(workers=2, processes=False, partitions=3)
     # exact
@@ -144,7 +144,7 @@ def test_pipeline_dedup_stages_on_dask_publish_the_single_process_artifacts(src,
     same keys, byte-identical files (equal content digests), same metrics."""
     from prefect import flow
 
-    import flows.curate_dask as cd
+    import tasks.dask_dedup as cd
 
     on_dask = []
     run_dedup = cd.run_dedup
