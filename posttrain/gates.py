@@ -181,8 +181,8 @@ def counts(cfg: GateEvalConfig) -> dict[str, int]:
 def noise(before: float, after: float, n: int) -> float:
     """Two standard errors of the difference of two binomial shares over n prompts each (a share
     of 0 or 1 counts as 1/n or 1 - 1/n: one flip is always within reach)."""
-    var = sum(min(max(p, 1 / n), 1 - 1 / n) * (1 - min(max(p, 1 / n), 1 - 1 / n)) for p in (before, after))
-    return 2 * math.sqrt(var / n)
+    shares = [min(max(p, 1 / n), 1 - 1 / n) for p in (before, after)]
+    return 2 * math.sqrt(sum(p * (1 - p) for p in shares) / n)
 
 
 def passes(name: str, before: float, after: float, tolerance: float) -> bool:
