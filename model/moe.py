@@ -20,6 +20,8 @@ weighted by the gate on the token's own rank (so router gradients stay local). L
 over the group, so every rank makes the same bias update. Gradients: replicated weights are
 averaged over the group like data parallelism, expert weights divided by the group size
 (`sync_ep_gradients`), which equals one rank training on the concatenated batch.
+`gathered_state_dict` puts the full model's state dict back together (the export). The DeepSpeed
+training loop's use of all this (groups, gradient reduction, checkpoints): training.expert_parallel.
 """
 
 from __future__ import annotations
@@ -215,9 +217,26 @@ def shard_experts(model: nn.Module, group=None) -> None:
                 raise ValueError(f"n_routed_experts={m.n_experts} is not divisible by the expert-parallel size {size}")
             n = m.n_experts // size
             ex = m.experts
-            ex.gate_up_proj = nn.Parameter(ex.gate_up_proj.detach()[rank * n : (rank + 1) * n].clone())
-            ex.down_proj = nn.Parameter(ex.down_proj.detach()[rank * n : (rank + 1) * n].clone())
+            for name in ("gate_up_proj", "down_proj"):
+                full = getattr(ex, name)
+                setattr(ex, name, nn.Parameter(full.detach()[rank * n : (rank + 1) * n].clone(),
+                                               requires_grad=full.requires_grad))
             m.ep_group, m.ep_rank, m.ep_size = group if group is not None else dist.group.WORLD, rank, size
+
+
+@torch.no_grad()
+def gathered_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict of the whole model from an expert-parallel one: each sharded MoE's expert
+    tensors all-gathered over its group (in rank order: experts 0..E-1), everything else as
+    this rank holds it. A collective: every rank of every EP group calls it."""
+    state = dict(model.state_dict())
+    for name, m in model.named_modules():
+        if isinstance(m, MoE) and m.ep_group is not None:
+            for pname, p in m.experts.named_parameters():
+                parts = [torch.empty_like(p) for _ in range(m.ep_size)]
+                dist.all_gather(parts, p.detach().contiguous(), group=m.ep_group)
+                state[f"{name}.experts.{pname}" if name else f"experts.{pname}"] = torch.cat(parts)
+    return state
 
 
 @torch.no_grad()

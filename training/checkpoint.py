@@ -2,6 +2,8 @@
 
 Layout (root = workdir.checkpoint):
     step_00000040/            engine.save_checkpoint(root, tag): model, per-rank optimizer shards
+        expert_shard_000.pt   expert_parallel > 1 only: each shard's experts and their optimizer
+                              state (training.expert_parallel)
         meta.json             step, tokens seen, data-loader state, RNG states of every rank, config
         COMPLETE              written last: {"step": 40, "files": {relative path: sha256}}
     latest                    the tag of the newest complete checkpoint, replaced atomically
@@ -201,6 +203,8 @@ def reshard(meta: dict[str, Any], train: dict[str, Any], world: int) -> tuple[di
     wrote it); at ZeRO 1/2 the ranks' partitions are converted to DeepSpeed's universal checkpoint (one
     folder per parameter: fp32, exp_avg, exp_avg_sq; `to_universal`) and loaded with
     `checkpoint.load_universal`, which cuts them for the new data-parallel size.
+    Expert parallelism (training.expert_parallel) keeps one file per expert shard: such a
+    checkpoint resumes with the same expert_parallel on the same rank count only.
     What remains is the data order. The loader deals the epoch's permutation round-robin, so
     after `index` sequences per rank on W ranks exactly the first index*W positions are consumed
     and each step takes the next micro*accum*W: the same global batches come next on W' ranks if
@@ -208,9 +212,16 @@ def reshard(meta: dict[str, Any], train: dict[str, Any], world: int) -> tuple[di
     old rank r's stream (r mod the old count) -- the training step draws no random numbers, so
     this only has to be valid, not equal."""
     old = int(meta["world_size"])
+    saved = meta["train"]
+    ep_then, ep_now = int(saved.get("expert_parallel", 1)), int(train.get("expert_parallel", 1))
+    if ep_then != ep_now:
+        raise ValueError(f"checkpoint step {meta['step']} was written with expert_parallel {ep_then}, this run has "
+                         f"{ep_now}: its experts are stored as {ep_then} shard(s); resume with expert_parallel {ep_then}")
+    if ep_then > 1 and old != world:
+        raise ValueError(f"checkpoint step {meta['step']} (expert_parallel {ep_then}) was written by {old} ranks: an "
+                         f"expert-parallel checkpoint resumes only on the same number of ranks, not {world}")
     if old == world:
         return meta["loader"], meta["rng"]
-    saved = meta["train"]
     if saved.get("zero_stage", 0) > 0 and saved.get("optimizer") == "deepspeed_muon":
         raise ValueError(f"checkpoint step {meta['step']} (optimizer deepspeed_muon, ZeRO {saved['zero_stage']}) "
                          f"was written by {old} ranks: DeepSpeed's universal conversion carries Adam's state "

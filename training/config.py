@@ -21,7 +21,8 @@ ZeRO 1/2 hand a client optimizer flat 1-D partitions, which Muon cannot orthogon
 DeepSpeed's bf16 mode wraps it in an optimizer that flattens on GPU; so the client Muon runs at
 ZeRO 0 and gets bf16 through `torch_autocast` (fp32 master weights, bf16 matmuls). ZeRO 3 is
 refused: DeepSpeed's Muon rejects it ("Muon and reduce scatter cannot be used together") and the
-export here reads full parameters on rank 0.
+export here reads full parameters on rank 0. `expert_parallel` > 1 (training.expert_parallel)
+runs at ZeRO 0 only, and in bf16 only with the client Muon (autocast).
 """
 from __future__ import annotations
 
@@ -100,6 +101,12 @@ class TrainConfig(BaseModel):
     zero_stage: Literal[0, 1, 2] = 0
     precision: Literal["fp32", "bf16"] = Field("fp32", description="fp32 on CPU, bf16 on GPU")
     launch: LaunchConfig = LaunchConfig()
+    # Part of the stage key, not OPERATIONAL: the losses match expert_parallel 1 only within float
+    # tolerance (all-to-all dispatch sums in another order), and checkpoints hold one file per
+    # expert shard, so a run resumes only with the value it was written with.
+    expert_parallel: int = Field(1, ge=1, description="ranks that split each MoE layer's routed experts "
+                                 "(contiguous groups of this many ranks, tokens dispatched by all-to-all; "
+                                 "training.expert_parallel); 1 = every rank holds every expert")
 
     # ---- checkpoints, evaluation, logging
     checkpoint_every: int = Field(50, ge=1, description="steps between checkpoints (and at the end)")
@@ -127,6 +134,20 @@ class TrainConfig(BaseModel):
                 "partitions before DeepSpeed takes the global norm, so grad_clip would clip the "
                 "orthogonalised update, not the gradient: set grad_clip 0"
             )
+        ep, world = self.expert_parallel, self.launch.world_size
+        if ep > 1 and world % ep:
+            raise ValueError(f"expert_parallel={ep} must divide the world size (launch.world_size = "
+                             f"nproc_per_node x nnodes = {world}): ranks form groups of expert_parallel")
+        if ep > 1 and self.zero_stage != 0:
+            raise ValueError(
+                f"expert_parallel={ep} needs zero_stage 0 (got {self.zero_stage}): ZeRO 1/2 would partition "
+                "the expert shards' optimizer state over all ranks as if they were replicated weights "
+                "(DeepSpeed keeps experts to their expert-data-parallel group only for its own MoE layers)")
+        if ep > 1 and self.precision == "bf16" and self.optimizer not in CLIENT_MUON:
+            raise ValueError(
+                f"expert_parallel={ep} with precision bf16 needs optimizer muon or muon_split (bf16 by "
+                f"autocast): DeepSpeed's bf16 optimizer for {self.optimizer!r} reduces its own fp32 gradient "
+                "buffers, which the expert-parallel reduction does not reach")
         return self
 
     def steps_for(self, seq_len: int) -> int:
@@ -161,6 +182,9 @@ class PretrainConfig(TrainConfig):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             to_hf_config(model)
+        if model.n_routed_experts % self.expert_parallel:
+            raise ValueError(f"expert_parallel={self.expert_parallel} must divide the model's "
+                             f"n_routed_experts={model.n_routed_experts}: each rank of a group holds an equal share")
         return self
 
 

@@ -28,7 +28,9 @@ def ds_config(cfg: TrainConfig, cuda: bool, n_params: int) -> dict[str, Any]:
     conf: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": cfg.grad_accum,
-        "gradient_clipping": cfg.grad_clip,
+        # expert parallelism clips in training.expert_parallel (DeepSpeed's ZeRO-0 norm would
+        # average the ranks' norms, each missing the other ranks' experts)
+        "gradient_clipping": cfg.grad_clip if cfg.expert_parallel == 1 else 0.0,
         "zero_optimization": {"stage": cfg.zero_stage, "reduce_bucket_size": bucket,
                               "allgather_bucket_size": bucket, "overlap_comm": cuda},
         "steps_per_print": 2**31 - 1,  # we log ourselves
@@ -57,7 +59,8 @@ def _decay_groups(model: nn.Module) -> list[dict[str, Any]]:
 
 def build_engine(model: nn.Module, cfg: TrainConfig, cuda: bool, load_universal: bool = False):
     """load_universal: the checkpoint to resume is DeepSpeed's universal format (written by
-    another rank count and converted, training.checkpoint.to_universal)."""
+    another rank count and converted, training.checkpoint.to_universal). With expert_parallel > 1
+    the model's experts must already be sharded (training.expert_parallel.setup)."""
     import deepspeed
 
     conf = ds_config(cfg, cuda, sum(p.numel() for p in model.parameters()))
@@ -74,6 +77,11 @@ def build_engine(model: nn.Module, cfg: TrainConfig, cuda: bool, load_universal:
             # kernels (minutes on a small machine). Eager is exact and fast enough here.
             torch._dynamo.config.disable = True
         engine, *_ = deepspeed.initialize(model=model, model_parameters=_decay_groups(model), config=conf)
+    if cfg.expert_parallel > 1:
+        # the loop reduces gradients itself (training.expert_parallel.reduce_gradients): DeepSpeed
+        # would average the expert shards over all ranks (or, told they are experts, fail: its
+        # MoE reduction is on only for its own MoE layers)
+        engine.enable_backward_allreduce = False
     return engine
 
 

@@ -8,6 +8,10 @@ directories, the checkpoint to resume.
     held-out split -> steps (lr from the schedule, grad_accum micro-batches, router-bias
     update) with a checkpoint every checkpoint_every steps -> held-out score -> export.
 
+Expert parallelism (`expert_parallel` > 1, training.expert_parallel): experts sharded before
+the engine is built, gradients reduced and clipped by the loop, one expert-shard file per shard
+in each checkpoint, experts gathered for the export.
+
 Preemption: SIGTERM/SIGINT set a flag (glmforge.shutdown.PreemptionGuard) that every rank
 reduces with the step's metrics, so all ranks agree on the step to stop after; they write a
 checkpoint (the usual format) and exit with EXIT_PREEMPTED. A second signal, or
@@ -34,10 +38,11 @@ from data_processing.packing import PackedDataset
 from glmforge.shutdown import EXIT_PREEMPTED, PreemptionGuard
 from model.hf import STATE_FILE, load_state, save_pretrained, save_state
 from model.model import GLMModel, moe_layers
-from model.moe import update_router_bias
-from training import checkpoint, metrics
+from model.moe import gathered_state_dict, update_router_bias
+from training import checkpoint, expert_parallel, metrics
 from training.data import PackedLoader, eval_batches
 from training.engine import build_engine, set_lr
+from training.expert_parallel import ExpertParallel
 from training.objectives import Objective, build_objective
 from training.rank_spec import RankSpec
 from training.schedule import lr_factor
@@ -85,7 +90,7 @@ def evaluate(model: GLMModel, dataset: PackedDataset, micro_batch_size: int, max
     """Held-out next-token loss (lm only, token-weighted) and perplexity, over all ranks."""
     was_training = model.training
     model.eval()
-    nll, count = 0.0, 0
+    nll, count, done = 0.0, 0, 0
     device = next(model.parameters()).device
     for b in eval_batches(dataset, micro_batch_size, max_sequences, rank, world):
         b = {k: v.to(device) for k, v in b.items()}
@@ -93,6 +98,14 @@ def evaluate(model: GLMModel, dataset: PackedDataset, micro_batch_size: int, max
         n = int((b["labels"] != -100).sum())
         nll += out.losses["lm"].item() * n
         count += n
+        done += 1
+    if any(m.ep_group is not None for m in moe_layers(model)):
+        # each expert-parallel forward is a collective: a rank with fewer held-out sequences runs
+        # unscored forwards until it has made as many as rank 0
+        n_seq = min(len(dataset), max_sequences)
+        pad = {k: v.to(device) for k, v in next(eval_batches(dataset, 1, 1)).items()}
+        for _ in range(math.ceil(math.ceil(n_seq / world) / micro_batch_size) - done):
+            model(pad["input_ids"], doc_ids=pad["doc_ids"], compute_mtp=False)
     model.train(was_training)
     nll, count = _all_reduce_sum([nll, float(count)])
     assert count > 0, "held-out split has no scored tokens"
@@ -109,23 +122,26 @@ def _grad_norm(model: torch.nn.Module) -> float | None:
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
 
 
-def _sync_router_load(model: GLMModel) -> None:
+def _sync_router_load(model: GLMModel, ep: ExpertParallel | None = None) -> None:
     """Sum each MoE layer's expert load over ranks, so every rank makes the same bias update
-    (the bias is a buffer: nothing else keeps it equal across ranks)."""
+    (the bias is a buffer: nothing else keeps it equal across ranks). Under expert parallelism
+    the forward has summed it over the EP group already: add up one rank per EP group."""
     layers = moe_layers(model)
     if layers and _dist().get_world_size() > 1:
         flat = torch.cat([m.load_since_update for m in layers])
-        _dist().all_reduce(flat)
+        _dist().all_reduce(flat, group=ep.edp_group if ep else None)
         for m, part in zip(layers, flat.split([m.load_since_update.numel() for m in layers])):
             m.load_since_update.copy_(part)
 
 
 def train_step(engine, loader: PackedLoader, grad_accum: int, zero_stage: int, gamma: float,
-               device, objective: Objective | None = None) -> tuple[dict[str, float], float | None, dict[str, float]]:
+               device, objective: Objective | None = None, ep: ExpertParallel | None = None,
+               grad_clip: float = 0.0) -> tuple[dict[str, float], float | None, dict[str, float]]:
     """One optimizer step: grad_accum micro-batches through the engine (DeepSpeed steps the
     optimizer on the last), then the aux-loss-free router-bias update from the expert loads
     of all micro-batches and ranks. Returns this rank's metric sums (the objective's), the
-    gradient norm and the balance statistics."""
+    gradient norm and the balance statistics. With `ep` the gradients are reduced and clipped
+    (at grad_clip) here, before the last engine.step."""
     objective = objective or Objective()
     sums: dict[str, float] = {}
     grad_norm = None
@@ -133,7 +149,10 @@ def train_step(engine, loader: PackedLoader, grad_accum: int, zero_stage: int, g
         b = {k: v.to(device) for k, v in loader.next_batch().items()}
         loss, parts = objective.loss(engine, b)
         engine.backward(loss)
-        if zero_stage == 0 and micro == grad_accum - 1:
+        if ep is not None and micro == grad_accum - 1:
+            ep.reduce_gradients(engine)
+            grad_norm = ep.clip_grad_norm(engine.module, grad_clip)
+        elif zero_stage == 0 and micro == grad_accum - 1:
             # ZeRO-0 with a client optimizer does not report the norm; the gradients are
             # whole and already averaged over ranks here, so take it before clipping.
             grad_norm = _grad_norm(engine.module)
@@ -144,7 +163,7 @@ def train_step(engine, loader: PackedLoader, grad_accum: int, zero_stage: int, g
         # ZeRO 1/2: DeepSpeed's norm over the partitions (for deepspeed_muon, of the Muon
         # update it has written there, not of the raw gradient)
         grad_norm = engine.get_global_grad_norm()
-    _sync_router_load(engine.module)
+    _sync_router_load(engine.module, ep)
     balance = update_router_bias(engine.module, gamma)
     return sums, None if grad_norm is None else float(grad_norm), balance
 
@@ -174,6 +193,8 @@ def train(spec: RankSpec, guard: PreemptionGuard | None = None, objective: Objec
         # Continue from the previous stage: same shapes, new config (RoPE base, max positions);
         # inv_freq is not in the state dict, so the new rope_theta takes effect.
         model.load_state_dict(load_state(spec.init_weights).state_dict(), strict=True)
+    # experts sharded after loading the full weights, before the objective changes modules
+    ep = expert_parallel.setup(model, cfg.expert_parallel) if cfg.expert_parallel > 1 else None
     objective = objective or build_objective(spec.objective)
     objective.prepare(model)
     resume_meta = json.loads((ckpt_dir / spec.resume / checkpoint.META).read_text()) if spec.resume else None
@@ -202,6 +223,8 @@ def train(spec: RankSpec, guard: PreemptionGuard | None = None, objective: Objec
         loader_state, rngs = checkpoint.reshard(meta, train_json, world)
         engine.load_checkpoint(str(ckpt_dir / checkpoint.UNIVERSAL if universal else ckpt_dir), tag=tag,
                                load_optimizer_states=True, load_lr_scheduler_states=False)
+        if ep is not None:
+            ep.load_shard(engine, ckpt_dir / tag)
         loader.load_state_dict(loader_state)
         checkpoint.set_rng_state(rngs[rank])
         if rank == 0 and meta["world_size"] != world:
@@ -223,7 +246,7 @@ def train(spec: RankSpec, guard: PreemptionGuard | None = None, objective: Objec
         objective.begin_step(engine.module, step)
         t0 = time.perf_counter()
         sums, grad_norm, balance = train_step(engine, loader, cfg.grad_accum, cfg.zero_stage, gamma, device,
-                                              objective)
+                                              objective, ep, cfg.grad_clip)
         # the stop flag rides on the metrics' all-reduce: no extra collective per step
         *reduced, stops = _all_reduce_sum([*sums.values(), float(guard is not None and guard.requested())])
         step += 1
@@ -238,23 +261,24 @@ def train(spec: RankSpec, guard: PreemptionGuard | None = None, objective: Objec
             metrics.append(log_path, rec)
             _say(METRIC, {**rec, "total_steps": total})
         if step % cfg.checkpoint_every == 0 or step == total or stops > 0:
-            save(engine, ckpt_dir, step, tokens, loader, eval_before, spec, cfg.keep_last, rank, world)
+            save(engine, ckpt_dir, step, tokens, loader, eval_before, spec, cfg.keep_last, rank, world, ep)
         if stops > 0 and step < total:
             if rank == 0:
                 print(f"preempted: checkpoint at step {step} of {total} written; exiting {EXIT_PREEMPTED}", flush=True)
             raise SystemExit(EXIT_PREEMPTED)
 
     eval_after = evaluate(engine.module, val_ds, cfg.micro_batch_size, cfg.eval_sequences, rank, world)
+    full = gathered_state_dict(engine.module) if ep is not None else None   # a collective: all ranks
     if rank == 0:
         print(f"held-out after training: loss {eval_after['loss']:.4f} ppl {eval_after['ppl']:.2f}", flush=True)
         export(engine.module, out_dir, spec.tokenizer_dir,
                {"val_loss_before": eval_before["loss"], "val_ppl_before": eval_before["ppl"],
-                "val_loss_after": eval_after["loss"], "val_ppl_after": eval_after["ppl"]})
+                "val_loss_after": eval_after["loss"], "val_ppl_after": eval_after["ppl"]}, state=full)
     dist.barrier()
 
 
 def save(engine, ckpt_dir: Path, step: int, tokens: int, loader: PackedLoader, eval_before: dict, spec: RankSpec,
-         keep_last: int, rank: int, world: int) -> None:
+         keep_last: int, rank: int, world: int, ep: ExpertParallel | None = None) -> None:
     dist = _dist()
     tag = checkpoint.tag_for(step)
     rngs: list[Any] = [None] * world
@@ -262,6 +286,8 @@ def save(engine, ckpt_dir: Path, step: int, tokens: int, loader: PackedLoader, e
     # universal_checkpoint_info: what ds_to_universal requires of the client (no TP/PP patterns here)
     engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False,
                            client_state={"universal_checkpoint_info": {}})
+    if ep is not None:
+        ep.save_shard(engine, ckpt_dir / tag)   # rank 0 wrote its own shard only
     dist.barrier()  # every rank's shards are on disk before rank 0 declares the checkpoint complete
     if rank == 0:
         meta = {"step": step, "tokens": tokens, "loader": loader.state_dict(), "rng": rngs, "world_size": world,
@@ -272,13 +298,15 @@ def save(engine, ckpt_dir: Path, step: int, tokens: int, loader: PackedLoader, e
     dist.barrier()
 
 
-def export(model: GLMModel, out_dir: Path, tokenizer_dir: Path | None, evals: dict[str, float]) -> None:
+def export(model: GLMModel, out_dir: Path, tokenizer_dir: Path | None, evals: dict[str, float],
+           state: dict[str, torch.Tensor] | None = None) -> None:
     """The stage artifact: our consolidated safetensors (the next stage starts from it) and the
-    Hugging Face export with tokenizer.json (for `glmforge eval perplexity --model out/hf`)."""
+    Hugging Face export with tokenizer.json (for `glmforge eval perplexity --model out/hf`).
+    `state`: the full state dict when `model` holds only its expert shard (gathered_state_dict)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     # Under ZeRO 1/2 the parameters are views into one flat buffer, which safetensors refuses
     # to save (shared storage): export a copy with tensors of their own.
-    state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().float().clone() for k, v in (model.state_dict() if state is None else state).items()}
     model = GLMModel(model.config)
     model.load_state_dict(state, strict=True)
     model.eval()

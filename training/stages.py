@@ -83,6 +83,9 @@ def train_stage(name: str, cfg: TrainConfig, model_cfg: ModelConfig, data_dir: P
         raise ValueError(f"{name}: tokenizer has {vocab} tokens, the model's vocab_size is {model_cfg.vocab_size}")
     if "synthetic" in train_ds.meta:
         synthetic.check_vocab(model_cfg.vocab_size, train_ds.meta["synthetic"]["base"], name)
+    if model_cfg.n_routed_experts % cfg.expert_parallel:   # a later phase's model comes from its parent
+        raise ValueError(f"{name}: expert_parallel={cfg.expert_parallel} must divide the model's "
+                         f"n_routed_experts={model_cfg.n_routed_experts}")
     total = cfg.steps_for(seq_len)
     per_rank = len(train_ds) // cfg.launch.world_size
     if per_rank < cfg.micro_batch_size:
@@ -136,6 +139,7 @@ def publish(name: str, workdir: Workdir, model_cfg: ModelConfig, cfg: TrainConfi
         "rope_theta": model_cfg.rope_theta,
         "world_size": cfg.launch.world_size,
         "zero_stage": cfg.zero_stage,
+        "expert_parallel": cfg.expert_parallel,
         "optimizer": cfg.optimizer,
         "precision": cfg.precision,
         "resumed_from_step": resume[1]["step"] if resume else 0,

@@ -47,6 +47,30 @@ def test_deepspeed_config_per_combination():
         ds_config(TrainConfig(precision="bf16"), cuda=False, n_params=10)
 
 
+def test_expert_parallel_is_checked_when_the_config_is_read():
+    from glmforge.runner import key_config
+
+    four = {"nproc_per_node": 4}
+    cfg = PretrainConfig(expert_parallel=2, launch=four)                 # tiny: 8 experts, 4 ranks
+    assert ds_config(cfg, False, 10)["gradient_clipping"] == 0.0           # the loop clips (whole norm)
+    assert ds_config(PretrainConfig(), False, 10)["gradient_clipping"] == 1.0
+    assert key_config(cfg)["expert_parallel"] == 2                          # in the stage key
+    PretrainConfig(expert_parallel=4, launch={"nproc_per_node": 2, "nnodes": 2, "master_addr": "10.0.0.1",
+                                              "master_port": 29500})
+    with pytest.raises(ValueError, match=r"expert_parallel=3 must divide the world size \(launch.world_size = "
+                                         r"nproc_per_node x nnodes = 4\)"):
+        TrainConfig(expert_parallel=3, launch=four)
+    with pytest.raises(ValueError, match="expert_parallel=4 must divide the model's n_routed_experts=6"):
+        PretrainConfig(model_overrides={"n_routed_experts": 6}, expert_parallel=4, launch=four)
+    with pytest.raises(ValueError, match="expert_parallel=2 needs zero_stage 0 \\(got 2\\)"):
+        TrainConfig(expert_parallel=2, optimizer="adamw", zero_stage=2, launch=four)
+    with pytest.raises(ValueError, match="precision bf16 needs optimizer muon or muon_split"):
+        TrainConfig(expert_parallel=2, optimizer="adamw", precision="bf16", launch=four)
+    TrainConfig(expert_parallel=2, optimizer="muon_split", precision="bf16", launch=four)
+    with pytest.raises(ValueError):
+        TrainConfig(expert_parallel=0)
+
+
 def test_launch_validation_and_commands(tmp_path):
     with pytest.raises(ValueError, match="launcher: deepspeed"):
         LaunchConfig(hostfile="hosts")
