@@ -9,7 +9,7 @@ data_processing.stages (torch-free modules); the training and post-training stag
     issue-pr --------------------------------------------------------------^
     decontaminate -> tokenize -> pack -> pretrain -> context-1 -> context-2 -> context-3
     -> dsa-warmup -> dsa-adapt -> sft -> rl-reasoning -> rl-agentic
-    sft -> reward-model;  rl-agentic + reward-model -> rl-general
+    rl-reasoning -> reward-model;  rl-agentic + reward-model -> rl-general
     rl-general + sft + rl-reasoning + rl-agentic (teachers) -> distill
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ POSTTRAIN: list[StageSpec] = [
     StageSpec("rl-agentic", "rl_agentic", "posttrain.rl_agentic:RLAgenticConfig",
               "posttrain.rl_agentic:run_rl_agentic", parents=("rl-reasoning", "tokenize")),
     StageSpec("reward-model", "reward_model", "posttrain.reward_model:RewardModelConfig",
-              "posttrain.reward_model:run_reward_model", parents=("sft", "tokenize")),
+              "posttrain.reward_model:run_reward_model", parents=("rl-reasoning", "tokenize")),
     StageSpec("rl-general", "rl_general", "posttrain.rl_general:RLGeneralConfig",
               "posttrain.rl_general:run_rl_general", parents=("rl-agentic", "reward-model", "sft", "tokenize")),
     StageSpec("distill", "distill", "posttrain.distill:DistillConfig", "posttrain.distill:run_distill",

@@ -3,10 +3,11 @@ preference pairs built from the repo's real data.
 
     sft (weights), tokenize (tokenizer) --> reward-model
 
-The model: the SFT GLM model with a scalar head, r(x, y) = w . norm(h_last) + b, h_last the last
-hidden state at the conversation's last token (user prompt + assistant reply, chat template,
-thinking off; left-truncated to `max_len` tokens so the end of the reply, where the corruptions
-below live, is always seen). Loss: Bradley-Terry, -log sigmoid(r(x, y_chosen) - r(x, y_rejected)).
+The model: the SFT GLM model with a scalar head, r(x, y) = w . norm(h_last) + b + a . [mean, min
+of log p(y_t | y_<t, x) over the reply's tokens], h_last the last hidden state at the
+conversation's last token (user prompt + assistant reply, chat template, thinking off;
+left-truncated to `max_len` tokens so the end of the reply, where the corruptions below live, is
+always seen); RewardModel says why the likelihood terms. Loss: Bradley-Terry, -log sigmoid(r(x, y_chosen) - r(x, y_rejected)).
 
 The pairs (chosen = a reference answer, rejected = the same answer damaged; one pair per problem):
     gsm8k       GSM8K train problems after the lines SFT holds out (`gsm8k_skip`). Chosen: the human
@@ -21,9 +22,10 @@ A pair is held out when crc32(prompt) % 100 < heldout_percent: the held-out pair
 (the share of held-out pairs scored chosen > rejected; a tie counts one half) is the stage's
 headline number, also read by rl-general. The construction is deterministic given the seed.
 
-Artifact: backbone.safetensors (model.hf.save_state), head.safetensors, orm.json (metrics and
-max_len), metrics.jsonl, loss.png. Checkpoints (training.checkpoint) hold model, head, optimizer
-and step; each step's minibatch is a pure function of (seed, step), so resume is exact.
+Artifact: backbone.safetensors (model.hf.save_state), head.safetensors (the scalar head and the
+likelihood weights), orm.json (metrics, max_len, and the held-out scores' mean and std, which the
+judge standardises by), metrics.jsonl, loss.png. Checkpoints (training.checkpoint) hold model,
+heads, optimizer and step; each step's minibatch is a pure function of (seed, step), so resume is exact.
 """
 from __future__ import annotations
 
@@ -169,10 +171,14 @@ def build_pairs(cfg: RewardModelConfig, seed: int) -> tuple[list[Pair], list[Pai
     return train, held
 
 
-def pair_text_ids(tokenizer, prompt: str, reply: str, max_len: int) -> list[int]:
-    ids = encode(tokenizer, [Message("user", prompt, thinking=False), Message("assistant", reply)],
-                 thinking_mode="turn").ids
-    return ids[-max_len:]
+def pair_text_ids(tokenizer, prompt: str, reply: str, max_len: int) -> tuple[list[int], int]:
+    """The conversation's ids (the last max_len kept) and where the reply starts in them."""
+    user = [Message("user", prompt, thinking=False)]
+    head = encode(tokenizer, user, thinking_mode="turn", add_generation_prompt=True).ids
+    ids = encode(tokenizer, [*user, Message("assistant", reply)], thinking_mode="turn").ids
+    start = next((i for i, (a, b) in enumerate(zip(head, ids)) if a != b), min(len(head), len(ids)))
+    cut = max(0, len(ids) - max_len)
+    return ids[cut:], max(1, start - cut)
 
 
 def pairwise_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> float:
@@ -184,27 +190,43 @@ def pairwise_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> float:
 
 # ---------------------------------------------------------------- the model
 class RewardModel(torch.nn.Module):
+    """r(x, y) = w . norm(h_last) + a . [mean, min] of log p(y_t | y_<t, x) over the reply's tokens.
+
+    The second term gives the head the backbone's own likelihood of the reply. A last-token scalar
+    head on a small backbone cannot learn to check a reply (on the tiny preset, trained on 2,000
+    sampled addition pairs, it ranked the policy's right sums above its wrong ones in 0.5 of
+    pairs); the backbone's likelihood of the reply's tokens already ranks them (0.88), and the
+    Bradley-Terry loss learns how much to trust it."""
+
     def __init__(self, backbone: GLMModel, pad_id: int):
         super().__init__()
         self.backbone, self.pad_id = backbone, pad_id
         self.head = torch.nn.Linear(backbone.config.hidden_size, 1)
-        torch.nn.init.zeros_(self.head.weight)      # start at r = 0 everywhere: no prior preference
-        torch.nn.init.zeros_(self.head.bias)
+        self.likelihood = torch.nn.Linear(2, 1, bias=False)
+        for p in (self.head.weight, self.head.bias, self.likelihood.weight):
+            torch.nn.init.zeros_(p)                 # start at r = 0 everywhere: no prior preference
 
-    def forward(self, ids: list[list[int]]) -> torch.Tensor:
-        """Right-padded batch -> one score per sequence [B]."""
-        T = max(len(x) for x in ids)
-        x = torch.full((len(ids), T), self.pad_id, dtype=torch.long)
+    def forward(self, items: list[tuple[list[int], int]]) -> torch.Tensor:
+        """(ids, reply start) per conversation, as pair_text_ids returns -> one score each [B]."""
+        T = max(len(ids) for ids, _ in items)
+        x = torch.full((len(items), T), self.pad_id, dtype=torch.long)
         att = torch.zeros_like(x)
-        for b, s in enumerate(ids):
-            x[b, : len(s)] = torch.tensor(s)
-            att[b, : len(s)] = 1
-        h = self.backbone(x, attention_mask=att, return_hidden=True, compute_mtp=False).hidden
-        last = h[torch.arange(len(ids)), torch.tensor([len(s) - 1 for s in ids])]
-        return self.head(self.backbone.norm(last).float()).squeeze(-1)
+        reply = torch.zeros(len(items), T - 1, dtype=torch.bool)     # positions predicting a reply token
+        for b, (ids, start) in enumerate(items):
+            x[b, : len(ids)] = torch.tensor(ids)
+            att[b, : len(ids)] = 1
+            reply[b, start - 1: len(ids) - 1] = True
+        out = self.backbone(x, attention_mask=att, return_hidden=True, compute_mtp=False)
+        last = out.hidden[torch.arange(len(items)), torch.tensor([len(ids) - 1 for ids, _ in items])]
+        lp = torch.log_softmax(out.logits[:, :-1].float(), -1).gather(-1, x[:, 1:, None]).squeeze(-1)
+        n = reply.sum(1).clamp_min(1)
+        mean = (lp * reply).sum(1) / n
+        low = lp.masked_fill(~reply, 0.0).min(1).values
+        feats = torch.stack([mean, low], -1)
+        return (self.head(self.backbone.norm(last).float()) + self.likelihood(feats)).squeeze(-1)
 
     @torch.no_grad()
-    def score_ids(self, ids: list[list[int]], batch: int = 32) -> torch.Tensor:
+    def score_ids(self, ids: list[tuple[list[int], int]], batch: int = 32) -> torch.Tensor:
         was = self.training
         self.eval()
         try:
@@ -215,7 +237,9 @@ class RewardModel(torch.nn.Module):
 
 def save_reward_model(rm: RewardModel, out: Path, info: dict[str, Any]) -> None:
     save_state(rm.backbone, out / "backbone.safetensors")
-    save_file({k: v.detach().contiguous() for k, v in rm.head.state_dict().items()}, str(out / "head.safetensors"))
+    heads = {**{f"head.{k}": v for k, v in rm.head.state_dict().items()},
+             **{f"likelihood.{k}": v for k, v in rm.likelihood.state_dict().items()}}
+    save_file({k: v.detach().contiguous() for k, v in heads.items()}, str(out / "head.safetensors"))
     (out / "orm.json").write_text(json.dumps(info, indent=1))
 
 
@@ -225,27 +249,32 @@ def load_reward_model(d: Path, pad_id: int) -> tuple[RewardModel, dict[str, Any]
         if not (d / f).exists():
             raise FileNotFoundError(f"{d}: not a reward-model artifact (no {f})")
     rm = RewardModel(load_state(d / "backbone.safetensors"), pad_id)
-    rm.head.load_state_dict(load_file(str(d / "head.safetensors")))
+    heads = load_file(str(d / "head.safetensors"))
+    if "likelihood.weight" not in heads:
+        raise ValueError(f"{d}: a reward-model artifact from before the likelihood features; rerun reward-model")
+    rm.head.load_state_dict({k[5:]: v for k, v in heads.items() if k.startswith("head.")})
+    rm.likelihood.load_state_dict({k[11:]: v for k, v in heads.items() if k.startswith("likelihood.")})
     rm.eval()
     return rm, json.loads((d / "orm.json").read_text())
 
 
 @torch.no_grad()
-def heldout_accuracy(rm: RewardModel, chosen: list[list[int]], rejected: list[list[int]], kinds: list[str],
-                     batch: int) -> dict[str, Any]:
+def heldout_accuracy(rm: RewardModel, chosen: list[tuple[list[int], int]], rejected: list[tuple[list[int], int]],
+                     kinds: list[str], batch: int) -> dict[str, Any]:
     c, r = rm.score_ids(chosen, batch), rm.score_ids(rejected, batch)
     per_kind = {}
     for k in sorted(set(kinds)):
         sel = torch.tensor([x == k for x in kinds])
         per_kind[k] = pairwise_accuracy(c[sel], r[sel])
+    both = torch.cat([c, r])
     return {"accuracy": pairwise_accuracy(c, r), "per_kind": per_kind, "n": len(kinds),
-            "margin": float((c - r).mean())}
+            "margin": float((c - r).mean()), "score_mean": float(both.mean()), "score_std": float(both.std())}
 
 
 # ---------------------------------------------------------------- the stage
 def run_reward_model(cfg: RewardModelConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
     tokenizer = load_tokenizer(inputs["tokenize"])
-    backbone = load_state(artifact_weights(inputs["sft"], "sft"))
+    backbone = load_state(artifact_weights(inputs["rl-reasoning"], "rl-reasoning"))
     for p in indexer_parameters(backbone):
         p.requires_grad_(False)
     pad_id = tokenizer.token_to_id("<|pad|>")
@@ -308,7 +337,8 @@ def run_reward_model(cfg: RewardModelConfig, inputs: dict[str, Path], workdir: W
         "loss": {"first": records[0]["loss"], "last": records[-1]["loss"]} if records else None,
     }
     save_reward_model(rm, out, {"heldout_pairwise_accuracy": after["accuracy"], "per_kind": after["per_kind"],
-                                "n": after["n"], "max_len": cfg.max_len})
+                                "n": after["n"], "max_len": cfg.max_len,
+                                "score_mean": after["score_mean"], "score_std": after["score_std"]})
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     if records:
         plot(records, out / "loss.png", result)

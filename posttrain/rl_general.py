@@ -2,8 +2,10 @@
 
     rl-agentic (weights), reward-model (ORM), sft (the GRM's weights), tokenize --> rl-general
 
-Prompts: GSM8K train questions (after the lines SFT holds out), MBPP training descriptions and
-synthetic addition, drawn by `prompts` weights; one user turn, thinking off. Each step:
+Prompts: GSM8K train questions (after the lines SFT holds out), the same questions with the
+calculator tool declared (`tool`: the format rule then checks calls against its schema), MBPP
+training descriptions and synthetic addition, drawn by `prompts` weights; one user turn, thinking
+off. Each step:
   1. the rollout engine takes the policy's weights; `prompts_per_step` x `group_size` samples;
   2. the hybrid reward (rl.judges): rules (format via parse_assistant on the raw text with its
      special tokens, language), the ORM (the reward-model stage's scalar head, sigmoid) and the
@@ -18,6 +20,8 @@ ORM and GRM verdicts (rl.judges.disagreement; a policy exploiting one judge show
 drifting from the others).
 
 Metrics: per step in metrics.jsonl / TensorBoard; for the stage: reward first/last per component,
+the verified accuracy of the arithmetic and tool prompts (verified_accuracy, never rewarded:
+the witness that a rising reward is not a gamed judge),
 disagreement first/last, judge failures, the ORM's held-out pairwise accuracy (from the
 reward-model artifact), the evaluation gates (posttrain.gates; a broken gate fails the stage).
 Checkpoints as rl-reasoning's: model, optimizer, rollout RNG, step; prompts derive from (seed, step).
@@ -31,7 +35,7 @@ import shutil
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -43,12 +47,14 @@ from model.hf import artifact_weights, load_state
 from model.model import GLMModel, indexer_parameters
 from posttrain import gates
 from posttrain.gates import GateConfig
-from posttrain.chat_template import STOP_TOKENS
+from posttrain.chat_template import STOP_TOKENS, parse_assistant
+from posttrain.sft_data import CALCULATOR
 from posttrain.qat import QATConfig
 from rl import arithmetic
 from rl.grpo import UpdateParams, assign_advantages, update
 from rl.judges import COMPONENTS, Judge, JudgeService, combine, disagreement, grm_judge, length_penalty, orm_judge, \
     rule_reward
+from rl.rewards import REWARDS
 from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
 from rl.sample import Sample, Status, Task
 from rl.tasks import gsm8k_tasks, mbpp_tasks
@@ -57,7 +63,7 @@ from training.loop import export
 
 log = logging.getLogger("glmforge")
 STATE = "state.pt"
-SOURCES = ("gsm8k", "mbpp", "arithmetic")
+SOURCES = ("gsm8k", "mbpp", "arithmetic", "tool")
 
 
 class RLGeneralConfig(BaseModel):
@@ -66,7 +72,7 @@ class RLGeneralConfig(BaseModel):
     steps: int = Field(100, ge=1)
     prompts_per_step: int = Field(32, ge=1)
     group_size: int = Field(8, ge=2)
-    prompts: dict[str, float] = Field({"gsm8k": 1.0, "mbpp": 1.0, "arithmetic": 1.0},
+    prompts: dict[str, float] = Field({"gsm8k": 1.0, "tool": 1.0, "mbpp": 1.0, "arithmetic": 1.0},
                                       description=f"prompt weights over {SOURCES}")
     weights: dict[str, float] = Field({"rule": 1.0, "orm": 1.0, "grm": 1.0},
                                       description=f"hybrid reward weights over {COMPONENTS}")
@@ -75,7 +81,11 @@ class RLGeneralConfig(BaseModel):
     orm_timeout_s: float = Field(30.0, gt=0, description="deadline per ORM chunk")
     grm_timeout_s: float = Field(60.0, gt=0, description="deadline per GRM chunk")
     judge_chunk: int = Field(32, ge=1)
+    grm_scoring: Literal["parse", "expected"] = Field(
+        "parse", description="parse: the first 0-10 integer of a greedy reply of up to grm_max_new_tokens; expected: "
+                             "the verdict's expectation over the first token's distribution (rl.judges.grm_judge)")
     grm_max_new_tokens: int = Field(4, ge=1)
+    grm_min_number_mass: float = Field(0.05, ge=0, le=1, description="expected: below this, no verdict")
     lr: float = Field(1e-6, ge=0)
     betas: tuple[float, float] = (0.9, 0.98)
     grad_clip: float = Field(1.0, gt=0)
@@ -128,9 +138,12 @@ def general_pools(cfg: RLGeneralConfig) -> dict[str, list[Task]]:
             ts = gsm8k_tasks(cfg.gsm8k_path, cfg.gsm8k_skip)
         elif src == "mbpp":
             ts = mbpp_tasks(cfg.mbpp_path)
+        elif src == "tool":
+            ts = [Task(t.domain, t.prompt, t.answer, {"tools": [CALCULATOR]})
+                  for t in gsm8k_tasks(cfg.gsm8k_path, cfg.gsm8k_skip)]
         else:
             ts = [arithmetic.task(a, b) for a, b in arithmetic.pairs("train")]
-        pools[src] = [Task("general", t.prompt, t.answer, {"source": src}) for t in ts]
+        pools[src] = [Task("general", t.prompt, t.answer, {**t.meta, "source": src}) for t in ts]
         if not pools[src]:
             raise ValueError(f"rl-general: prompt source {src!r} has no prompts")
     return pools
@@ -150,7 +163,7 @@ def hybrid_rewards(samples: list[Sample], tokenizer, judges: dict[str, JudgeServ
     failures: Counter = Counter()
     todo = [s for s in samples if s.status in (Status.OK, Status.TRUNCATED)]
     raw = [tokenizer.decode(s.response_ids, skip_special_tokens=False) for s in todo]
-    rules = [rule_reward(r) for r in raw]
+    rules = [rule_reward(r, s.task.meta.get("tools")) for r, s in zip(raw, todo)]
     items = [(s.task, s.text) for s in todo]
     judged = {name: svc.score(items) for name, svc in judges.items() if cfg.weights.get(name, 0) > 0}
     comps_all: list[dict[str, Optional[float]]] = []
@@ -176,8 +189,32 @@ def hybrid_rewards(samples: list[Sample], tokenizer, judges: dict[str, JudgeServ
     return failures, comps_all, extra
 
 
-def step_record(step: int, samples: list[Sample], comps: list[dict[str, Optional[float]]], stats: dict[str, float],
-                flat: float, failures: Counter, extra: dict[str, float], seconds: dict[str, float]) -> dict[str, Any]:
+# prompt source -> the rl.rewards domain that checks it in this process: only checkers that run no
+# model text (GSM8K's goes through sympy and MBPP's runs code: those belong in the reward worker)
+VERIFIED = {"arithmetic": "arithmetic"}
+
+
+def verified_accuracy(samples: list[Sample], tokenizer) -> dict[str, float]:
+    """Per prompt source with a checker, the share of samples that get it right: the arithmetic
+    answer, and for the tool prompts at least one tool call that parses against the declared tools
+    (the gates' tool_call_validity, on sampled replies). Never part of the reward: it tells a policy
+    that got better from one that learned to please its judges."""
+    hits: dict[str, list[float]] = {}
+    for s in samples:
+        src = s.task.meta.get("source")
+        if src in VERIFIED:
+            t = Task(VERIFIED[src], s.task.prompt, s.task.answer, s.task.meta)
+            hits.setdefault(src, []).append(REWARDS[t.domain](s.text, t).score)
+        elif src == "tool":
+            parsed = parse_assistant(tokenizer.decode(s.response_ids, skip_special_tokens=False),
+                                     tools=s.task.meta["tools"])
+            hits.setdefault("tool_call", []).append(float(parsed.ok and bool(parsed.message.tool_calls)))
+    return {src: sum(v) / len(v) for src, v in hits.items()}
+
+
+def step_record(step: int, samples: list[Sample], tokenizer, comps: list[dict[str, Optional[float]]],
+                stats: dict[str, float], flat: float, failures: Counter, extra: dict[str, float],
+                seconds: dict[str, float]) -> dict[str, Any]:
     scored = [s for s in samples if s.status in (Status.OK, Status.TRUNCATED)]
     rec: dict[str, Any] = {"step": step, "reward": sum(s.reward for s in scored) / max(len(scored), 1)}
     for key in (*COMPONENTS, "length", "format", "language"):
@@ -185,6 +222,7 @@ def step_record(step: int, samples: list[Sample], comps: list[dict[str, Optional
         if vals:
             rec[f"reward/{key}"] = sum(vals) / len(vals)
     rec.update({f"disagreement/{k}": v for k, v in disagreement(comps).items()})
+    rec.update({f"verified/{k}": v for k, v in verified_accuracy(samples, tokenizer).items()})
     lengths = [len(s.response_ids) for s in samples]
     rec.update({"zero_variance_groups": flat, "response_length": sum(lengths) / len(lengths),
                 "reward_error_fraction": sum(s.status == Status.REWARD_ERROR for s in samples) / len(samples),
@@ -201,11 +239,11 @@ def make_judges(cfg: RLGeneralConfig, inputs: dict[str, Path], tokenizer, stop_i
     out: dict[str, Judge] = {}
     if cfg.weights.get("orm", 0) > 0:
         orm, info = load_reward_model(inputs["reward-model"], pad_id)
-        out["orm"] = orm_judge(orm, tokenizer, int(info["max_len"]))
+        out["orm"] = orm_judge(orm, tokenizer, int(info["max_len"]), info["score_mean"], info["score_std"])
     if cfg.weights.get("grm", 0) > 0:
         sft = load_state(artifact_weights(inputs["sft"], "sft"))
         out["grm"] = grm_judge(RolloutEngine(sft, tokenizer, stop_ids, pad_id, batch_size=cfg.rollout_batch),
-                               tokenizer, cfg.grm_max_new_tokens)
+                               tokenizer, cfg.grm_scoring, cfg.grm_max_new_tokens, cfg.grm_min_number_mass)
     return out
 
 
@@ -270,7 +308,8 @@ def run_rl_general(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workd
             t0 = time.perf_counter()
             engine.sync(model, step)
             tasks = draw(pools, cfg.prompts, cfg.prompts_per_step, seed, step)
-            samples = [Sample(t, g, prompt_ids(tokenizer, t)) for g, t in enumerate(tasks) for _ in range(cfg.group_size)]
+            samples = [Sample(t, g, prompt_ids(tokenizer, t, t.meta.get("tools")))
+                       for g, t in enumerate(tasks) for _ in range(cfg.group_size)]
             engine.generate(samples, sampling, gen)
             t1 = time.perf_counter()
             failures, comps, extra = hybrid_rewards(samples, tokenizer, services, cfg)
@@ -278,7 +317,7 @@ def run_rl_general(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workd
             flat = assign_advantages(samples, cfg.std_normalize)
             stats = update(model, opt, samples, pad_id, params, gen) if any(s.trainable for s in samples) else {}
             t3 = time.perf_counter()
-            rec = step_record(step, samples, comps, stats, flat, failures, extra,
+            rec = step_record(step, samples, tokenizer, comps, stats, flat, failures, extra,
                               {"generate": t1 - t0, "reward": t2 - t1, "train": t3 - t2})
             metrics.append(log_path, rec)
             workdir.progress(step, cfg.steps, f"rl-general reward {rec['reward']:.3f}")
@@ -308,11 +347,13 @@ def publish(cfg: RLGeneralConfig, model: GLMModel, inputs: dict[str, Path], out:
         failures.update(r.get("judge_failures", {}))
     keys = sorted({k for r in records for k in r if k.startswith("reward/")})
     dkeys = sorted({k for r in records for k in r if k.startswith("disagreement/")})
+    vkeys = sorted({k for r in records for k in r if k.startswith("verified/")})
     result: dict[str, Any] = {
         "steps": len(records),
         "reward": first_last(records, "reward"),
         "reward_per_component": {k.split("/", 1)[1]: first_last(records, k) for k in keys},
         "disagreement": {k.split("/", 1)[1]: first_last(records, k) for k in dkeys},
+        "verified_accuracy": {k.split("/", 1)[1]: first_last(records, k) for k in vkeys},
         "judge_failures": dict(failures),
         "reward_error_fraction": sum(r["reward_error_fraction"] for r in records) / len(records),
         "grm_unparsed_fraction": sum(r["grm_unparsed_fraction"] for r in records) / len(records),

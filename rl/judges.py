@@ -4,9 +4,11 @@ model (GRM), and the service that runs a judge with a deadline.
     rules   format (parse_assistant: template well formed, think blocks closed, tool calls valid
             against the declared tools) and language (share of ASCII letters among the letters:
             the prompts are English); both in [0, 1], `rule` is their mean
-    orm     sigmoid(score) of the reward-model stage's scalar head (posttrain.reward_model)
-    grm     an earlier checkpoint prompted with a rubric, completed greedily through the rollout
-            engine; the first integer 0-10 of its reply / 10 (no integer: the component is missing)
+    orm     sigmoid of the reward-model stage's score (posttrain.reward_model), standardised by the
+            scores' mean and std on its held-out replies
+    grm     an earlier checkpoint prompted with a rubric, through the rollout engine: the first
+            integer 0-10 of its greedy reply / 10, or the expected verdict over its first token's
+            distribution (grm_judge); no verdict: the component is missing
     length  -max(0, len - target) / target: the length penalty, a guard against reward hacking by
             verbosity (the ORM and a small GRM both tend to prefer longer answers)
 
@@ -76,30 +78,66 @@ def parse_grm_score(text: str) -> float | None:
     return v / 10 if 0 <= v <= 10 else None
 
 
-def grm_judge(engine, tokenizer, max_new_tokens: int = 4, max_reply_chars: int = 2000) -> Judge:
-    """A GRM over a RolloutEngine (the judge's own weights): the rubric as one user turn,
-    a greedy completion, parse_grm_score."""
+def score_token_ids(tokenizer) -> dict[int, list[int]]:
+    """The token ids that begin a 0-10 verdict: for each value, its digits with and without a
+    leading space, where the vocabulary has them as one token."""
+    out: dict[int, list[int]] = {}
+    for v in range(11):
+        ids = {tokenizer.token_to_id(form) for form in (str(v), f" {v}", f"\u0120{v}")} - {None}
+        if ids:
+            out[v] = sorted(ids)
+    if not out:
+        raise ValueError("GRM: the tokenizer has no single-token numbers 0-10 to read a verdict from")
+    return out
+
+
+def grm_judge(engine, tokenizer, scoring: str = "parse", max_new_tokens: int = 4, min_number_mass: float = 0.05,
+              max_reply_chars: int = 2000) -> Judge:
+    """A GRM over a RolloutEngine (the judge's own weights), the rubric as one user turn.
+
+    scoring "parse": a greedy completion of up to max_new_tokens, parse_grm_score (a judge that
+    reasons before its verdict). "expected": the verdict read from the first token's distribution
+    (G-Eval, Liu et al. 2023): sum over v of p(v) * v / 10, renormalised over the number tokens; no
+    score when they carry under min_number_mass of the probability (the judge is not answering
+    with a number). A small judge's greedy first token is rarely a number, and a one-token verdict
+    moves in steps of 0.1; the expectation is defined whenever the judge leans numeric at all and
+    moves continuously with its confidence."""
     from rl.rollout import SamplingParams, prompt_ids
 
+    if scoring not in ("parse", "expected"):
+        raise ValueError(f"GRM scoring must be 'parse' or 'expected', got {scoring!r}")
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+    numbers = score_token_ids(tokenizer) if scoring == "expected" else {}
 
     def judge(items: list[tuple[Task, str]]) -> list[Optional[float]]:
         prefixes = [prompt_ids(tokenizer, Task("grm", RUBRIC.format(prompt=t.prompt, reply=r[:max_reply_chars]), ""))
                     for t, r in items]
-        out = engine.complete(prefixes, params, torch.Generator())
-        return [parse_grm_score(tokenizer.decode(toks, skip_special_tokens=True)) for toks, _, _ in out]
+        if scoring == "parse":
+            out = engine.complete(prefixes, params, torch.Generator())
+            return [parse_grm_score(tokenizer.decode(toks, skip_special_tokens=True)) for toks, _, _ in out]
+        p = engine.next_token_logprobs(prefixes).exp()
+        mass = torch.stack([p[:, ids].sum(-1) for ids in numbers.values()], -1)      # [N, values]
+        total = mass.sum(-1)
+        expected = (mass * torch.tensor([v / 10 for v in numbers])).sum(-1) / total.clamp_min(1e-12)
+        return [float(e) if m >= min_number_mass else None for e, m in zip(expected, total)]
 
     return judge
 
 
-def orm_judge(orm, tokenizer, max_len: int) -> Judge:
-    """The ORM (posttrain.reward_model.RewardModel) as a judge: sigmoid(score) per item."""
+def orm_judge(orm, tokenizer, max_len: int, mean: float = 0.0, std: float = 1.0) -> Judge:
+    """The ORM (posttrain.reward_model.RewardModel) as a judge: sigmoid((score - mean) / std) per
+    item, mean and std those of the ORM's scores on its held-out replies. A Bradley-Terry head is
+    defined only up to a shift and a scale; unstandardised, its sigmoid sat at 0.50 +- 0.02 on the
+    tiny preset and drowned under the rule rewards' 0/1 steps."""
     from posttrain.reward_model import pair_text_ids
+
+    if std <= 0:
+        raise ValueError(f"ORM judge: score std must be > 0, got {std}")
 
     @torch.no_grad()
     def judge(items: list[tuple[Task, str]]) -> list[Optional[float]]:
         ids = [pair_text_ids(tokenizer, t.prompt, r, max_len) for t, r in items]
-        return [1 / (1 + math.exp(-s)) for s in orm.score_ids(ids).tolist()]
+        return [1 / (1 + math.exp(-(s - mean) / std)) for s in orm.score_ids(ids).tolist()]
 
     return judge
 

@@ -76,14 +76,29 @@ class RolloutEngine:
             out += self._batch(prefixes[i:i + self.batch_size], params, generator)
         return out
 
-    def _batch(self, prefixes: list[list[int]], params: SamplingParams, generator: torch.Generator
-               ) -> list[tuple[list[int], list[float], bool]]:
+    @torch.no_grad()
+    def next_token_logprobs(self, prefixes: list[list[int]]) -> torch.Tensor:
+        """log p(next token | prefix) for each prefix [N, vocab]: one prefill, no sampling (a judge
+        that reads its verdict from the first token's distribution)."""
+        out = []
+        for i in range(0, len(prefixes), self.batch_size):
+            ids, mask = self._left_pad(prefixes[i:i + self.batch_size])
+            logits = self.model(ids, attention_mask=mask).logits[:, -1].float()
+            out.append(torch.log_softmax(logits, -1))
+        return torch.cat(out)
+
+    def _left_pad(self, prefixes: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         T0 = max(len(p) for p in prefixes)
         ids = torch.full((len(prefixes), T0), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for b, p in enumerate(prefixes):                     # left padding: every row ends at T0
             ids[b, T0 - len(p):] = torch.tensor(p)
             mask[b, T0 - len(p):] = 1
+        return ids, mask
+
+    def _batch(self, prefixes: list[list[int]], params: SamplingParams, generator: torch.Generator
+               ) -> list[tuple[list[int], list[float], bool]]:
+        ids, mask = self._left_pad(prefixes)
         greedy = params.temperature == 0
         gen = generate(self.model, ids, params.max_new_tokens, temperature=params.temperature or 1.0,
                        top_p=params.top_p, greedy=greedy, generator=generator, attention_mask=mask,

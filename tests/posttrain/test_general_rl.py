@@ -11,10 +11,12 @@ import torch
 
 from glmforge.stage import Workdir
 from posttrain import gates
-from posttrain.reward_model import RewardModelConfig, mutate_code, pairwise_accuracy, run_reward_model
-from posttrain.rl_general import RLGeneralConfig, run_rl_general
-from rl.judges import JudgeService, combine, disagreement, parse_grm_score, rule_reward
-from rl.sample import Task
+from posttrain.reward_model import RewardModel, RewardModelConfig, load_reward_model, mutate_code, pair_text_ids, \
+    pairwise_accuracy, run_reward_model
+from posttrain.rl_general import RLGeneralConfig, run_rl_general, verified_accuracy
+from rl.judges import JudgeService, combine, disagreement, grm_judge, orm_judge, parse_grm_score, rule_reward, \
+    score_token_ids
+from rl.sample import Sample, Task
 from tests.posttrain._chain import artifacts, make_tokenizer
 
 EVALS = {"arithmetic": 4, "gsm8k": 2, "gsm8k_max_new_tokens": 4, "tool": 2, "tool_max_new_tokens": 4}
@@ -22,7 +24,7 @@ EVALS = {"arithmetic": 4, "gsm8k": 2, "gsm8k_max_new_tokens": 4, "tool": 2, "too
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    return artifacts(tmp_path_factory.mktemp("general"), make_tokenizer(), {"sft": 0, "rl-agentic": 1})
+    return artifacts(tmp_path_factory.mktemp("general"), make_tokenizer(), {"sft": 0, "rl-reasoning": 3, "rl-agentic": 1})
 
 
 def test_pairwise_accuracy_on_a_fixture():
@@ -85,9 +87,89 @@ def test_reward_model_stage_trains_and_reports_heldout_accuracy(inputs, tmp_path
     assert 0 <= h["after"] <= 1 and h["n"] == m["pairs"]["heldout"] > 0
     assert set(m["pairs"]["by_kind"]) >= {"gsm8k/wrong_number", "gsm8k/truncated", "mbpp/mutated", "arithmetic/digit"}
     info = json.loads((tmp_path / "out" / "orm.json").read_text())
-    assert info["heldout_pairwise_accuracy"] == h["after"]
+    assert info["heldout_pairwise_accuracy"] == h["after"] and info["score_std"] > 0
+    rm, _ = load_reward_model(tmp_path / "out", inputs_pad(inputs))
+    assert rm.likelihood.weight.abs().sum() > 0          # the likelihood weights were trained and saved
     for f in ("backbone.safetensors", "head.safetensors", "loss.png", "metrics.jsonl"):
         assert (tmp_path / "out" / f).exists(), f
+
+
+def inputs_pad(inputs) -> int:
+    from data_processing.tokenizer import load_tokenizer
+
+    return load_tokenizer(inputs["tokenize"]).token_to_id("<|pad|>")
+
+
+def test_reward_model_likelihood_term_is_the_replys_mean_and_min_logprob(inputs):
+    from data_processing.tokenizer import load_tokenizer
+    from model.hf import load_state
+
+    tok = load_tokenizer(inputs["tokenize"])
+    ids, start = pair_text_ids(tok, "1 + 2 =", " 3", max_len=64)
+    assert tok.decode(ids[start:], skip_special_tokens=True).strip() == "3"
+    rm = RewardModel(load_state(inputs["sft"] / "consolidated.safetensors"), inputs_pad(inputs)).eval()
+    with torch.no_grad():
+        rm.likelihood.weight.copy_(torch.tensor([[1.0, 10.0]]))       # head zero: r = mean + 10 min
+        x = torch.tensor([ids])
+        lp = torch.log_softmax(rm.backbone(x).logits[0, :-1].float(), -1).gather(-1, x[0, 1:, None])[:, 0]
+        reply = lp[start - 1:]
+        want = float(reply.mean() + 10 * reply.min())
+        # padding a second, longer conversation beside it changes nothing
+        other = pair_text_ids(tok, "a longer question about 4 + 5 here", " 9 and more words", max_len=64)
+        got = rm.score_ids([(ids, start), other])
+    assert float(got[0]) == pytest.approx(want, abs=1e-4)
+
+
+def test_orm_judge_standardises_and_grm_reads_the_expected_verdict(inputs):
+    from data_processing.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(inputs["tokenize"])
+
+    class FixedORM:
+        def score_ids(self, ids):
+            return torch.tensor([3.0, 1.0][: len(ids)])
+
+    j = orm_judge(FixedORM(), tok, 32, mean=1.0, std=2.0)
+    assert j([(Task("g", "q", ""), "a"), (Task("g", "q", ""), "b")]) == pytest.approx([1 / (1 + 2.718281828 ** -1), 0.5])
+
+    numbers = score_token_ids(tok)
+    seven, three = numbers[7][0], numbers[3][0]
+
+    class Engine:                     # the judge puts 0.3 on "7", 0.1 on "3", the rest on words
+        def __init__(self, number_mass):
+            self.m = number_mass
+
+        def next_token_logprobs(self, prefixes):
+            p = torch.full((len(prefixes), tok.get_vocab_size()), 1e-12)
+            p[:, seven], p[:, three] = 0.75 * self.m, 0.25 * self.m
+            p[:, 0] += 1 - self.m
+            return p.log()
+
+    items = [(Task("g", "q", ""), "reply")]
+    assert grm_judge(Engine(0.4), tok, "expected")(items)[0] == pytest.approx(0.75 * 0.7 + 0.25 * 0.3, abs=1e-4)
+    assert grm_judge(Engine(0.01), tok, "expected", min_number_mass=0.05)(items) == [None]
+    with pytest.raises(ValueError, match="scoring"):
+        grm_judge(Engine(0.4), tok, "vote")
+
+
+def test_verified_accuracy_checks_only_sources_with_a_safe_checker(inputs):
+    from data_processing.tokenizer import load_tokenizer
+    from posttrain.sft_data import CALCULATOR
+
+    tok = load_tokenizer(inputs["tokenize"])
+
+    def sample(src, answer, text, tools=None):
+        s = Sample(Task("general", "p", answer, {"source": src, **({"tools": tools} if tools else {})}), 0, [])
+        s.text, s.response_ids = text, tok.encode(text).ids
+        return s
+
+    call = ("<tool_call>calculator<arg_key>expression</arg_key><arg_value>48 / 2</arg_value></tool_call>"
+            "<|observation|>")
+    got = verified_accuracy([sample("arithmetic", " 1 9 0", " 1 9 0"), sample("arithmetic", " 1 9 0", " 1 8 0"),
+                             sample("gsm8k", "72", "72"), sample("mbpp", "", "def f(): pass"),
+                             sample("tool", "24", call, [CALCULATOR]), sample("tool", "24", "It is 24.<|user|>", [CALCULATOR]),
+                             sample("tool", "24", call.replace("calculator", "search"), [CALCULATOR])], tok)
+    assert got == {"arithmetic": 0.5, "tool_call": pytest.approx(1 / 3)}
 
 
 def _fake_judges():
