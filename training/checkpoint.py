@@ -204,7 +204,7 @@ def reshard(meta: dict[str, Any], train: dict[str, Any], world: int) -> tuple[di
     folder per parameter: fp32, exp_avg, exp_avg_sq; `to_universal`) and loaded with
     `checkpoint.load_universal`, which cuts them for the new data-parallel size.
     Expert parallelism (training.expert_parallel) keeps one file per expert shard: such a
-    checkpoint resumes with the same expert_parallel on the same rank count only.
+    checkpoint resumes with the same expert_parallel, ZeRO stage and rank count only.
     What remains is the data order. The loader deals the epoch's permutation round-robin, so
     after `index` sequences per rank on W ranks exactly the first index*W positions are consumed
     and each step takes the next micro*accum*W: the same global batches come next on W' ranks if
@@ -220,6 +220,12 @@ def reshard(meta: dict[str, Any], train: dict[str, Any], world: int) -> tuple[di
     if ep_then > 1 and old != world:
         raise ValueError(f"checkpoint step {meta['step']} (expert_parallel {ep_then}) was written by {old} ranks: an "
                          f"expert-parallel checkpoint resumes only on the same number of ranks, not {world}")
+    zero_then, zero_now = int(saved.get("zero_stage", 0)), int(train.get("zero_stage", 0))
+    if ep_then > 1 and zero_then != zero_now:
+        where = "its expert-shard files" if zero_then == 0 else "the ranks' ZeRO partition files"
+        raise ValueError(f"checkpoint step {meta['step']} (expert_parallel {ep_then}) is ZeRO {zero_then}, this run "
+                         f"zero_stage {zero_now}: an expert-parallel checkpoint keeps its experts' optimizer state in "
+                         f"{where}; resume with zero_stage {zero_then}")
     if old == world:
         return meta["loader"], meta["rng"]
     if saved.get("zero_stage", 0) > 0 and saved.get("optimizer") == "deepspeed_muon":

@@ -22,7 +22,11 @@ DeepSpeed's bf16 mode wraps it in an optimizer that flattens on GPU; so the clie
 ZeRO 0 and gets bf16 through `torch_autocast` (fp32 master weights, bf16 matmuls). ZeRO 3 is
 refused: DeepSpeed's Muon rejects it ("Muon and reduce scatter cannot be used together") and the
 export here reads full parameters on rank 0. `expert_parallel` > 1 (training.expert_parallel)
-runs at ZeRO 0 only, and in bf16 only with the client Muon (autocast).
+runs with every combination above except bf16 at ZeRO 0 with a DeepSpeed-built optimizer (the
+ZeRO-0 bf16 optimizer reduces its own buffers, which the loop's expert-parallel reduction does
+not reach): ZeRO 0 with the loop reducing the gradients, ZeRO 1/2 with DeepSpeed's ZeRO
+optimizer partitioning and reducing the experts over their expert-data-parallel group (tested in
+fp32 on gloo; bf16 there is the same ZeRO optimizer with bf16 buffers, not run here).
 """
 from __future__ import annotations
 
@@ -138,16 +142,13 @@ class TrainConfig(BaseModel):
         if ep > 1 and world % ep:
             raise ValueError(f"expert_parallel={ep} must divide the world size (launch.world_size = "
                              f"nproc_per_node x nnodes = {world}): ranks form groups of expert_parallel")
-        if ep > 1 and self.zero_stage != 0:
+        if ep > 1 and self.zero_stage == 0 and self.precision == "bf16" and self.optimizer not in CLIENT_MUON:
             raise ValueError(
-                f"expert_parallel={ep} needs zero_stage 0 (got {self.zero_stage}): ZeRO 1/2 would partition "
-                "the expert shards' optimizer state over all ranks as if they were replicated weights "
-                "(DeepSpeed keeps experts to their expert-data-parallel group only for its own MoE layers)")
-        if ep > 1 and self.precision == "bf16" and self.optimizer not in CLIENT_MUON:
-            raise ValueError(
-                f"expert_parallel={ep} with precision bf16 needs optimizer muon or muon_split (bf16 by "
-                f"autocast): DeepSpeed's bf16 optimizer for {self.optimizer!r} reduces its own fp32 gradient "
-                "buffers, which the expert-parallel reduction does not reach")
+                f"expert_parallel={ep} with precision bf16 and zero_stage 0 needs optimizer muon or muon_split "
+                f"(bf16 by autocast): DeepSpeed's ZeRO-0 bf16 optimizer for {self.optimizer!r} reduces its own fp32 "
+                "gradient buffers, which the loop's expert-parallel reduction does not reach; use zero_stage 1 "
+                "or 2 (DeepSpeed's ZeRO optimizer partitions and reduces the experts over their "
+                "expert-data-parallel group)")
         return self
 
     def steps_for(self, seq_len: int) -> int:

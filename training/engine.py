@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from training import expert_parallel
 from training.config import CLIENT_MUON, TrainConfig
 from training.optim import build_optimizer
 
@@ -28,9 +29,10 @@ def ds_config(cfg: TrainConfig, cuda: bool, n_params: int) -> dict[str, Any]:
     conf: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": cfg.grad_accum,
-        # expert parallelism clips in training.expert_parallel (DeepSpeed's ZeRO-0 norm would
-        # average the ranks' norms, each missing the other ranks' experts)
-        "gradient_clipping": cfg.grad_clip if cfg.expert_parallel == 1 else 0.0,
+        # expert parallelism at ZeRO 0 clips in training.expert_parallel (DeepSpeed's ZeRO-0 norm
+        # would average the ranks' norms, each missing the other ranks' experts); at ZeRO 1/2
+        # DeepSpeed's MoE-aware norm takes every expert once and clips
+        "gradient_clipping": cfg.grad_clip if cfg.expert_parallel == 1 or cfg.zero_stage > 0 else 0.0,
         "zero_optimization": {"stage": cfg.zero_stage, "reduce_bucket_size": bucket,
                               "allgather_bucket_size": bucket, "overlap_comm": cuda},
         "steps_per_print": 2**31 - 1,  # we log ourselves
@@ -50,11 +52,19 @@ def ds_config(cfg: TrainConfig, cuda: bool, n_params: int) -> dict[str, Any]:
     return conf
 
 
-def _decay_groups(model: nn.Module) -> list[dict[str, Any]]:
-    """Weight decay on matrices only (norm gains, biases: none), as training.optim does."""
+def _decay_groups(model: nn.Module, expert_groups: bool = False) -> list[dict[str, Any]]:
+    """Weight decay on matrices only (norm gains, biases: none), as training.optim does.
+    expert_groups: expert-parallel shards (marked by training.expert_parallel.setup) moved into
+    groups of their own, marked as DeepSpeed marks its MoE experts' groups ("moe": True, named
+    after the expert group), which ZeRO 1/2 partitions over the expert-data-parallel group."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if not expert_groups:
+        return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    return split_params_into_different_moe_groups_for_optimizer(
+        [{"params": decay, "name": "decay"}, {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}])
 
 
 def build_engine(model: nn.Module, cfg: TrainConfig, cuda: bool, load_universal: bool = False):
@@ -76,11 +86,17 @@ def build_engine(model: nn.Module, cfg: TrainConfig, cuda: bool, load_universal:
             # DeepSpeed's muon_update is torch.compile'd; on CPU inductor would JIT-compile C++
             # kernels (minutes on a small machine). Eager is exact and fast enough here.
             torch._dynamo.config.disable = True
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=_decay_groups(model), config=conf)
-    if cfg.expert_parallel > 1:
-        # the loop reduces gradients itself (training.expert_parallel.reduce_gradients): DeepSpeed
-        # would average the expert shards over all ranks (or, told they are experts, fail: its
-        # MoE reduction is on only for its own MoE layers)
+        # ZeRO 1/2 under expert parallelism: DeepSpeed's MoE path partitions and reduces the
+        # expert shards (none to train, e.g. the DSA warm-up's frozen trunk: the plain path)
+        ep_zero = cfg.expert_parallel > 1 and cfg.zero_stage > 0 and any(
+            p.requires_grad for p in expert_parallel.ExpertParallel.expert_params(model))
+        with expert_parallel.moe_engine(ep_zero):
+            engine, *_ = deepspeed.initialize(model=model, model_parameters=_decay_groups(model, ep_zero),
+                                              config=conf)
+    if cfg.expert_parallel > 1 and cfg.zero_stage == 0:
+        # at ZeRO 0 the loop reduces gradients itself (training.expert_parallel.reduce_gradients):
+        # DeepSpeed would average the expert shards over all ranks. At ZeRO 1/2 DeepSpeed's MoE
+        # path reduces them (expert_parallel.moe_engine).
         engine.enable_backward_allreduce = False
     return engine
 

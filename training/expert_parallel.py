@@ -14,31 +14,48 @@ Gradients. After backward an expert's gradient already holds the sum over every 
 group routed to it (the all-to-all's backward brings them home), so the gradient of the
 single-rank model on the global batch (the mean of the W ranks' mean losses) is: replicated
 weights averaged over all W ranks, experts summed over the EDP group and divided by W. That is
-what DeepSpeed's MoE path computes (engine._reduce_expert_gradients: all-reduce over the EDP
-group with dp_world_size = W), and `sync_ep_gradients` is the W = R case. DeepSpeed takes that
-path only when the engine holds its own MoE layers (has_moe_layers comes from
-isinstance(deepspeed.moe.layer.MoE)); turned on by hand it would also switch checkpoints to
-DeepSpeed's per-expert file format, which finds experts by its module names and would load
-rank 0's shard on every rank. So the engine's backward all-reduce is off
-(enable_backward_allreduce = False) and `reduce_gradients` runs the same bucketed reduction
-(engine.allreduce_no_retain) on the two sets: nothing is reduced twice.
+what DeepSpeed's MoE paths compute, and `sync_ep_gradients` is the W = R case. DeepSpeed takes
+them only when the engine holds MoE layers (engine.has_moe_layers, set in
+_configure_distributed_model from isinstance(deepspeed.moe.layer.MoE)); who reduces depends on
+the ZeRO stage, and each gradient is reduced exactly once:
+
+  ZeRO 0: the engine's backward all-reduce is off (enable_backward_allreduce = False) and
+    `reduce_gradients` runs the reduction of engine._reduce_expert_gradients (allreduce_no_retain
+    over all ranks / the EDP group, dp_world_size = W). has_moe_layers stays off there: it would
+    switch the checkpoint to DeepSpeed's per-expert format, which finds experts by its module names.
+  ZeRO 1/2: `moe_engine` sets has_moe_layers while deepspeed.initialize builds the engine, and
+    the optimizer's parameter groups put the experts in groups of their own marked as DeepSpeed
+    marks its MoE groups ("moe": True, "name": the expert group; training.engine._decay_groups
+    with DeepSpeed's split_params_into_different_moe_groups_for_optimizer). DeepSpeed's ZeRO
+    optimizer then partitions those groups over the EDP group (_configure_moe_settings:
+    real_dp_process_group) and reduce-scatters their gradients there, divided by W
+    (average_tensor); the loop leaves the engine's reduction on and reduces nothing itself.
 
 Clipping: DeepSpeed's ZeRO-0 clip averages each rank's own gradient norm, which under EP leaves
-out the other ranks' experts. `clip_grad_norm` takes the norm of the whole gradient (replicated
-weights once, experts summed over the EP group) and scales like DeepSpeed (max_norm / (norm +
-1e-6), at most 1); the engine's gradient_clipping is 0 (training.engine.ds_config).
+out the other ranks' experts. At ZeRO 0 `clip_grad_norm` takes the norm of the whole gradient
+(replicated weights once, experts summed over the EP group) and scales like DeepSpeed
+(max_norm / (norm + 1e-6), at most 1); the engine's gradient_clipping is 0 there
+(training.engine.ds_config). At ZeRO 1/2 DeepSpeed's norm is already the whole gradient's (each
+rank's partitions summed over all ranks: every expert shard once) and DeepSpeed clips.
 
 Checkpoints: at ZeRO 0 rank 0 alone writes the module and optimizer (its own shard). Ranks
-0..R-1 (EDP rank 0) add `expert_shard_{k:03d}.pt`: shard k's parameters and their optimizer
-state; a resume loads the engine checkpoint and then puts each rank's shard back. The export
-all-gathers the experts (`model.moe.gathered_state_dict`), so the published model is the full one.
+0..R-1 (EDP rank 0) add `expert_shard_{k:03d}.pt`: shard k's parameters and, at ZeRO 0, their
+optimizer state; a resume loads the engine checkpoint and then puts each rank's shard back. At
+ZeRO 1/2 every rank writes its optimizer partitions (the experts' over the EDP group, fp32 master
+and Adam state) as DeepSpeed does anyway and loads its own back; with has_moe_layers on, DeepSpeed
+looks for its own MoE modules' per-expert files, finds none here and writes or reads none, and
+the module file still holds rank 0's shard, so the shard file puts each rank's expert weights
+back. The export all-gathers the experts (`model.moe.gathered_state_dict`), so the published
+model is the full one.
 
 Supported: ZeRO 0 with any optimizer in fp32, and with muon / muon_split in bf16 (autocast);
-training.config refuses the rest. A checkpoint resumes only with the same expert_parallel and
-rank count (training.checkpoint.reshard says so).
+ZeRO 1/2 with the DeepSpeed-built optimizers (adamw, deepspeed_muon; fp32 tested on gloo, bf16
+not run here); training.config refuses the rest. A checkpoint resumes only with the same expert_parallel, ZeRO stage and rank count
+(training.checkpoint.reshard says so).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,17 +130,21 @@ class ExpertParallel:
 
     # ------------------------------------------------------------------ checkpoints
     def save_shard(self, engine, tag_dir: Path) -> None:
-        """Ranks 0..R-1 write their shard's parameters and optimizer state into the checkpoint."""
+        """Ranks 0..R-1 write their shard's parameters into the checkpoint, and at ZeRO 0 their
+        optimizer state (at ZeRO 1/2 it is in every rank's own ZeRO partition file)."""
         if self.edp_rank != 0:
             return
         names = {id(p): n for n, p in engine.module.named_parameters()}
-        state = engine.optimizer.state
-        shard = {"ep_rank": self.rank, "ep_size": self.size, "params": {}, "optimizer": {}}
+        zero = engine.zero_optimization_stage() > 0
+        shard = {"ep_rank": self.rank, "ep_size": self.size, "params": {}}
+        if not zero:
+            shard["optimizer"] = {}
         for p in self.expert_params(engine.module):
             n = names[id(p)]
             shard["params"][n] = p.detach().clone()
-            shard["optimizer"][n] = {k: v.detach().clone() if torch.is_tensor(v) else v
-                                     for k, v in state.get(p, {}).items()}
+            if not zero:
+                shard["optimizer"][n] = {k: v.detach().clone() if torch.is_tensor(v) else v
+                                         for k, v in engine.optimizer.state.get(p, {}).items()}
         torch.save(shard, Path(tag_dir) / SHARD_FILE.format(self.rank))
 
     @torch.no_grad()
@@ -138,6 +159,12 @@ class ExpertParallel:
             raise ValueError(f"{path} is shard {shard['ep_rank']} of {shard['ep_size']}, "
                              f"this rank needs shard {self.rank} of {self.size}")
         params = dict(engine.module.named_parameters())
+        if engine.zero_optimization_stage() > 0:
+            # the ZeRO partitions (fp32 master, optimizer state) came back with the engine
+            # checkpoint, each rank's own; the module file held rank 0's experts
+            for n, value in shard["params"].items():
+                params[n].copy_(value)     # at ZeRO 1/2 a view into the optimizer's flat buffer
+            return
         state = engine.optimizer.state
         for n, value in shard["params"].items():
             p = params[n]
@@ -148,6 +175,32 @@ class ExpertParallel:
                     cur[k].copy_(v)        # keeps the device and dtype the optimizer expects
                 else:
                     cur[k] = v.to(p.device) if torch.is_tensor(v) else v
+
+
+@contextmanager
+def moe_engine(enabled: bool = True):
+    """While deepspeed.initialize runs inside: the engine counts the model as holding MoE layers
+    (has_moe_layers, which DeepSpeed sets only for its own deepspeed.moe.layer.MoE), so its ZeRO
+    1/2 optimizer takes the expert groups (expert_parallel_group, expert_data_parallel_group) and
+    partitions and reduces the "moe" parameter groups over them. Set right after
+    _configure_distributed_model, where DeepSpeed sets it, before the optimizer is configured.
+    Off (`enabled` False): nothing changes."""
+    if not enabled:
+        yield
+        return
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    original = DeepSpeedEngine._configure_distributed_model
+
+    def configure(self, model):
+        original(self, model)
+        self.has_moe_layers = True
+
+    DeepSpeedEngine._configure_distributed_model = configure
+    try:
+        yield
+    finally:
+        DeepSpeedEngine._configure_distributed_model = original
 
 
 def setup(model: nn.Module, size: int) -> ExpertParallel:

@@ -9,8 +9,9 @@ directories, the checkpoint to resume.
     update) with a checkpoint every checkpoint_every steps -> held-out score -> export.
 
 Expert parallelism (`expert_parallel` > 1, training.expert_parallel): experts sharded before
-the engine is built, gradients reduced and clipped by the loop, one expert-shard file per shard
-in each checkpoint, experts gathered for the export.
+the engine is built, gradients reduced and clipped by the loop at ZeRO 0 and by DeepSpeed's
+MoE-aware ZeRO optimizer at ZeRO 1/2, one expert-shard file per shard in each checkpoint,
+experts gathered for the export.
 
 Preemption: SIGTERM/SIGINT set a flag (glmforge.shutdown.PreemptionGuard) that every rank
 reduces with the step's metrics, so all ranks agree on the step to stop after; they write a
@@ -140,8 +141,8 @@ def train_step(engine, loader: PackedLoader, grad_accum: int, zero_stage: int, g
     """One optimizer step: grad_accum micro-batches through the engine (DeepSpeed steps the
     optimizer on the last), then the aux-loss-free router-bias update from the expert loads
     of all micro-batches and ranks. Returns this rank's metric sums (the objective's), the
-    gradient norm and the balance statistics. With `ep` the gradients are reduced and clipped
-    (at grad_clip) here, before the last engine.step."""
+    gradient norm and the balance statistics. With `ep` at ZeRO 0 the gradients are reduced and
+    clipped (at grad_clip) here, before the last engine.step."""
     objective = objective or Objective()
     sums: dict[str, float] = {}
     grad_norm = None
@@ -149,7 +150,8 @@ def train_step(engine, loader: PackedLoader, grad_accum: int, zero_stage: int, g
         b = {k: v.to(device) for k, v in loader.next_batch().items()}
         loss, parts = objective.loss(engine, b)
         engine.backward(loss)
-        if ep is not None and micro == grad_accum - 1:
+        if ep is not None and zero_stage == 0 and micro == grad_accum - 1:
+            # (at ZeRO 1/2 DeepSpeed's MoE-aware ZeRO optimizer reduces and clips: expert_parallel)
             ep.reduce_gradients(engine)
             grad_norm = ep.clip_grad_norm(engine.module, grad_clip)
         elif zero_stage == 0 and micro == grad_accum - 1:
@@ -284,8 +286,10 @@ def save(engine, ckpt_dir: Path, step: int, tokens: int, loader: PackedLoader, e
     rngs: list[Any] = [None] * world
     dist.all_gather_object(rngs, checkpoint.rng_state())  # every rank's RNG goes into rank 0's meta
     # universal_checkpoint_info: what ds_to_universal requires of the client (no TP/PP patterns here)
+    # (not with DeepSpeed's MoE path on, expert parallelism at ZeRO 1/2: its checkpoint reserves that
+    # key, and an expert-parallel checkpoint is never converted, training.checkpoint.reshard)
     engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False,
-                           client_state={"universal_checkpoint_info": {}})
+                           client_state={} if engine.has_moe_layers else {"universal_checkpoint_info": {}})
     if ep is not None:
         ep.save_shard(engine, ckpt_dir / tag)   # rank 0 wrote its own shard only
     dist.barrier()  # every rank's shards are on disk before rank 0 declares the checkpoint complete

@@ -52,8 +52,10 @@ def test_expert_parallel_is_checked_when_the_config_is_read():
 
     four = {"nproc_per_node": 4}
     cfg = PretrainConfig(expert_parallel=2, launch=four)                 # tiny: 8 experts, 4 ranks
-    assert ds_config(cfg, False, 10)["gradient_clipping"] == 0.0           # the loop clips (whole norm)
+    assert ds_config(cfg, False, 10)["gradient_clipping"] == 0.0           # ZeRO 0: the loop clips (whole norm)
     assert ds_config(PretrainConfig(), False, 10)["gradient_clipping"] == 1.0
+    zero2 = PretrainConfig(expert_parallel=2, optimizer="adamw", zero_stage=2, launch=four)
+    assert ds_config(zero2, False, 10)["gradient_clipping"] == 1.0         # ZeRO 1/2: DeepSpeed's MoE-aware norm
     assert key_config(cfg)["expert_parallel"] == 2                          # in the stage key
     PretrainConfig(expert_parallel=4, launch={"nproc_per_node": 2, "nnodes": 2, "master_addr": "10.0.0.1",
                                               "master_port": 29500})
@@ -62,11 +64,16 @@ def test_expert_parallel_is_checked_when_the_config_is_read():
         TrainConfig(expert_parallel=3, launch=four)
     with pytest.raises(ValueError, match="expert_parallel=4 must divide the model's n_routed_experts=6"):
         PretrainConfig(model_overrides={"n_routed_experts": 6}, expert_parallel=4, launch=four)
-    with pytest.raises(ValueError, match="expert_parallel=2 needs zero_stage 0 \\(got 2\\)"):
-        TrainConfig(expert_parallel=2, optimizer="adamw", zero_stage=2, launch=four)
-    with pytest.raises(ValueError, match="precision bf16 needs optimizer muon or muon_split"):
+    for stage in (1, 2):                                  # DeepSpeed's ZeRO optimizer, experts as MoE groups
+        TrainConfig(expert_parallel=2, optimizer="adamw", zero_stage=stage, launch=four)
+        TrainConfig(expert_parallel=2, optimizer="adamw", zero_stage=stage, precision="bf16", launch=four)
+        TrainConfig(expert_parallel=2, optimizer="deepspeed_muon", zero_stage=stage, grad_clip=0, launch=four)
+    with pytest.raises(ValueError, match="precision bf16 and zero_stage 0 needs optimizer muon or muon_split.*"
+                                         "use zero_stage 1 or 2"):
         TrainConfig(expert_parallel=2, optimizer="adamw", precision="bf16", launch=four)
     TrainConfig(expert_parallel=2, optimizer="muon_split", precision="bf16", launch=four)
+    with pytest.raises(ValueError, match="optimizer 'muon_split' .* needs zero_stage 0"):   # the client Muon
+        TrainConfig(expert_parallel=2, optimizer="muon_split", zero_stage=2, launch=four)
     with pytest.raises(ValueError):
         TrainConfig(expert_parallel=0)
 

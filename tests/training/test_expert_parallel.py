@@ -2,7 +2,11 @@
 gloo ranks with expert_parallel 2 (each rank holds 2 of the 4 experts, tokens dispatched by
 all-to-all) logs the losses, gradient norms and expert loads of the same run with every expert on
 every rank, within float tolerance, and so do 4 ranks in two expert-parallel groups; its
-checkpoint resumes bit-exactly on 2 ranks; its export is the full model. Runs and checkpoint copies are test_reshard's (4 steps, checkpoints at 2 and 4)."""
+checkpoint resumes bit-exactly on 2 ranks; its export is the full model. All of it at ZeRO 0
+(Muon Split; the loop reduces and clips) and at ZeRO 2 with AdamW (DeepSpeed's ZeRO optimizer
+partitions and reduces the experts over their expert-data-parallel group), plus ZeRO 1 and
+DeepSpeed's Muon at ZeRO 2 against expert_parallel 1. Runs and checkpoint copies are
+test_reshard's (4 steps, checkpoints at 2 and 4)."""
 from __future__ import annotations
 
 import json
@@ -34,16 +38,40 @@ def sharded(packed, tmp_path_factory):
     return reference_run(packed, tmp_path_factory.mktemp("ep2"), grad_clip=CLIP, expert_parallel=2)
 
 
-def test_expert_parallel_2_trains_like_every_expert_on_every_rank(replicated, sharded):
-    want, got = metrics.read(replicated.checkpoint / "metrics.jsonl"), metrics.read(sharded.checkpoint / "metrics.jsonl")
-    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+ZERO2 = dict(optimizer="adamw", zero_stage=2, grad_clip=CLIP)
+
+
+@pytest.fixture(scope="module")
+def zero2_replicated(packed, tmp_path_factory):
+    return reference_run(packed, tmp_path_factory.mktemp("z2ep1"), **ZERO2)
+
+
+@pytest.fixture(scope="module")
+def zero2_sharded(packed, tmp_path_factory):
+    return reference_run(packed, tmp_path_factory.mktemp("z2ep2"), **ZERO2, expert_parallel=2)
+
+
+def assert_trains_alike(want_wd, got_wd, logged=LOGGED, rel=1e-4) -> None:
+    """got_wd logged want_wd's steps and metrics within `rel`, and the same held-out loss."""
+    want, got = metrics.read(want_wd.checkpoint / "metrics.jsonl"), metrics.read(got_wd.checkpoint / "metrics.jsonl")
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
     for a, b in zip(want, got):
-        for k in LOGGED:
-            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), f"step {a['step']} {k}"
+        for k in logged:
+            assert b[k] == pytest.approx(a[k], rel=rel, abs=1e-6), f"step {a['step']} {k}"
     assert want[-1]["loss"] < want[0]["loss"] - 0.1                         # it trained: not vacuous
-    assert max(r["grad_norm"] for r in want) > CLIP
-    ev_want, ev_got = (json.loads((wd.out / "eval.json").read_text()) for wd in (replicated, sharded))
+    ev_want, ev_got = (json.loads((wd.out / "eval.json").read_text()) for wd in (want_wd, got_wd))
     assert ev_got["val_loss_after"] == pytest.approx(ev_want["val_loss_after"], rel=1e-4)
+
+
+def zero_partitions(wd, rank: int) -> dict:
+    """Rank `rank`'s ZeRO optimizer partitions in the last checkpoint (DeepSpeed's file)."""
+    path = wd.checkpoint / checkpoint.tag_for(STEPS) / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+    return torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+
+
+def test_expert_parallel_2_trains_like_every_expert_on_every_rank(replicated, sharded):
+    assert_trains_alike(replicated, sharded)
+    assert max(r["grad_norm"] for r in metrics.read(replicated.checkpoint / "metrics.jsonl")) > CLIP
     # the checkpoint holds both shards, each with its experts' optimizer state
     tag = sharded.checkpoint / checkpoint.tag_for(STEPS)
     for k in range(2):
@@ -73,7 +101,67 @@ def test_two_expert_parallel_groups_on_4_ranks_train_alike(replicated, packed, t
         [SHARD_FILE.format(0), SHARD_FILE.format(1)]                         # one file per shard
 
 
-def test_export_holds_every_expert_and_loads_as_the_full_model(replicated, sharded):
+def test_zero2_expert_parallel_2_trains_like_every_expert_on_every_rank(zero2_replicated, zero2_sharded):
+    """ZeRO 2 + AdamW: DeepSpeed reduces (experts over their expert-data-parallel group, here each
+    rank alone, divided by the world size) and clips on its norm, which takes every shard once."""
+    assert_trains_alike(zero2_replicated, zero2_sharded)
+    assert max(r["grad_norm"] for r in metrics.read(zero2_replicated.checkpoint / "metrics.jsonl")) > CLIP
+    for rank in range(2):
+        # the experts are an optimizer group of their own, partitioned over 1 rank (the expert-data-
+        # parallel group), the replicated weights' groups over both
+        part = zero_partitions(zero2_sharded, rank)
+        groups = part["base_optimizer_state"]["param_groups"]
+        assert [(g.get("name"), g.get("moe", False)) for g in groups] == \
+            [("decay", False), ("no_decay", False), ("ep_size_2", True)]
+        assert part["partition_count"] == [2, 2, 1]
+        assert part["single_partition_of_fp32_groups"][2].numel() == \
+            sum(t.numel() for t in torch.load(zero2_sharded.checkpoint / checkpoint.tag_for(STEPS) /
+                                              SHARD_FILE.format(rank), weights_only=True)["params"].values())
+    # the shard files hold the experts' weights; their optimizer state is in the ZeRO partitions
+    shard = torch.load(zero2_sharded.checkpoint / checkpoint.tag_for(STEPS) / SHARD_FILE.format(1), weights_only=True)
+    assert (shard["ep_rank"], shard["ep_size"]) == (1, 2) and "optimizer" not in shard
+    assert all(t.shape[0] == E // 2 for t in shard["params"].values())
+
+
+def test_zero1_expert_parallel_2_trains_like_expert_parallel_1(packed, tmp_path):
+    zero1 = {**ZERO2, "zero_stage": 1}
+    want = reference_run(packed, tmp_path / "ep1", **zero1)
+    got = reference_run(packed, tmp_path / "ep2", **zero1, expert_parallel=2)
+    assert_trains_alike(want, got)
+    assert zero_partitions(got, 1)["partition_count"] == [2, 2, 1]
+
+
+def test_zero2_two_expert_parallel_groups_on_4_ranks_train_alike(zero2_replicated, packed, tmp_path):
+    """4 ranks, expert_parallel 2 at ZeRO 2: each shard's optimizer state partitioned over its
+    expert-data-parallel group {0,2} or {1,3}, its gradient reduce-scattered there."""
+    from glmforge.stage import Workdir
+
+    wd = Workdir.at(tmp_path, seed=7)
+    wd.persist_checkpoint = lambda: None
+    run_pretrain(config(4, 1, 2, **ZERO2, expert_parallel=2, checkpoint_every=STEPS, eval_sequences=5), packed, wd)
+    want, got = metrics.read(zero2_replicated.checkpoint / "metrics.jsonl"), metrics.read(wd.checkpoint / "metrics.jsonl")
+    for a, b in zip(want, got, strict=True):
+        for k in LOGGED:
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), f"step {a['step']} {k}"
+    assert zero_partitions(wd, 3)["partition_count"] == [4, 4, 2]
+
+
+def test_deepspeed_muon_zero2_expert_parallel_2_trains_like_expert_parallel_1(packed, tmp_path):
+    """DeepSpeed's Muon (the glm5 preset's optimizer) at ZeRO 2: each expert orthogonalised on its
+    own either way. Its Newton-Schulz runs in bf16, so the logged norm (of the orthogonalised
+    update) and the expert loads drift by more than the losses do."""
+    muon = dict(optimizer="deepspeed_muon", zero_stage=2, grad_clip=0)
+    want = reference_run(packed, tmp_path / "ep1", **muon)
+    got = reference_run(packed, tmp_path / "ep2", **muon, expert_parallel=2)
+    assert_trains_alike(want, got, logged=("loss", "lm", "mtp"))
+    assert_trains_alike(want, got, logged=("grad_norm", "balance", "expert_load_max_mean"), rel=1e-2)
+    assert zero_partitions(got, 0)["partition_count"][-1] == 1
+
+
+@pytest.mark.parametrize("runs", [("replicated", "sharded"), ("zero2_replicated", "zero2_sharded")],
+                         ids=["zero0", "zero2"])
+def test_export_holds_every_expert_and_loads_as_the_full_model(runs, request):
+    replicated, sharded = (request.getfixturevalue(name) for name in runs)
     want, got = load_file(replicated.out / STATE_FILE), load_file(sharded.out / STATE_FILE)
     assert got.keys() == want.keys()
     experts = [k for k in want if ".experts.gate_up_proj" in k or ".experts.down_proj" in k]
@@ -87,9 +175,11 @@ def test_export_holds_every_expert_and_loads_as_the_full_model(replicated, shard
     assert (sharded.out / "hf" / "model.safetensors").is_file()
 
 
-def test_expert_parallel_checkpoint_resumes_exactly_on_the_same_ranks(sharded, packed, tmp_path):
+@pytest.mark.parametrize("run,kw", [("sharded", {}), ("zero2_sharded", ZERO2)], ids=["zero0", "zero2"])
+def test_expert_parallel_checkpoint_resumes_exactly_on_the_same_ranks(run, kw, packed, tmp_path, request):
+    sharded = request.getfixturevalue(run)
     wd = resume_from(sharded, tmp_path)
-    result = run_pretrain(config(2, 4, 1, grad_clip=CLIP, expert_parallel=2), packed, wd)
+    result = run_pretrain(config(2, 4, 1, **{"grad_clip": CLIP, **kw}, expert_parallel=2), packed, wd)
     assert result["resumed_from_step"] == AT and result["expert_parallel"] == 2
     want, got = metrics.read(sharded.checkpoint / "metrics.jsonl"), metrics.read(wd.checkpoint / "metrics.jsonl")
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
@@ -113,3 +203,8 @@ def test_expert_parallel_checkpoint_needs_the_same_expert_parallel_and_rank_coun
         checkpoint.reshard(meta, {**train, "expert_parallel": 1}, 2)
     with pytest.raises(ValueError, match="written with expert_parallel 1, this run has 2"):
         checkpoint.reshard({**meta, "train": {**train, "expert_parallel": 1}}, train, 2)
+    with pytest.raises(ValueError, match=r"\(expert_parallel 2\) is ZeRO 0, this run zero_stage 2: .*expert-shard "
+                                         r"files; resume with zero_stage 0"):
+        checkpoint.reshard(meta, {**train, "zero_stage": 2, "optimizer": "adamw"}, 2)
+    with pytest.raises(ValueError, match="is ZeRO 2, this run zero_stage 1: .*ZeRO partition files"):
+        checkpoint.reshard({**meta, "train": {**train, "zero_stage": 2}}, {**train, "zero_stage": 1}, 2)
