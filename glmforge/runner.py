@@ -22,6 +22,7 @@ the application, a few specs in tests).
 from __future__ import annotations
 
 import ast
+import contextlib
 import datetime as dt
 import functools
 import hashlib
@@ -215,7 +216,8 @@ class Runner:
             seed=self.seed if spec.seeded else None,
         )
         inputs = {p: self.store.materialize(m, self.home / "cache") for p, m in parents.items()}
-        metrics = (run or spec.run)(self.section(spec), inputs, workdir)
+        with _own_thread_count():
+            metrics = (run or spec.run)(self.section(spec), inputs, workdir)
         manifest = self.store.publish(
             spec.name,
             key,
@@ -468,3 +470,16 @@ def _save_on_the_way_out(record: RunRecord, store: Store) -> None:
         except Exception as e:
             log.warning("run %s: final state %s not saved: %s", record.id, record.state, e)
             return
+
+
+@contextlib.contextmanager
+def _own_thread_count():
+    """A stage may set torch's thread count for itself (rl-reasoning's `threads: 1`); the stages
+    after it in the same process get the count they would have had alone."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

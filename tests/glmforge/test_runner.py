@@ -77,6 +77,16 @@ def test_the_key_covers_the_stage_code_but_not_its_prose(tmp_path, jsonl, monkey
         sys.modules.pop(f"stage_mod_{i}", None)
 
 
+def test_a_stage_that_sets_torch_threads_does_not_set_them_for_the_next(tmp_path, jsonl):
+    import torch
+
+    spec = get_stage("ingest")
+    before = torch.get_num_threads()
+    one_thread = dataclasses.replace(spec, runner=lambda *a: torch.set_num_threads(1) or spec.run(*a))
+    assert _runner(tmp_path, _cfg(jsonl)).run_stage(one_thread, {}).state == "done"
+    assert torch.get_num_threads() == before
+
+
 def test_key_depends_on_parent_digest(jsonl):
     child = dataclasses.replace(get_stage("ingest"), name="child", parents=("ingest",), fingerprint=None)
     cfg = _cfg(jsonl)
