@@ -101,6 +101,13 @@ def train(out: str) -> tuple[str, str]:
             f"fp32 matmul peak", f"batch {r['batch']} x seq {r['seq_len']}, {r['threads']} thread(s)")
 
 
+def mfu_ceiling(out: str) -> tuple[str, str]:
+    r = last_json(out)
+    rows = "; ".join(f"{m['model']} (width {m['hidden_size']}) {m['mfu']:.0%} of {m['ceiling_mfu']:.0%}" for m in r["rows"])
+    return (f"plain PyTorch step MFU of the ceiling its own matmuls reach: {rows}",
+            f"{r['tokens_per_step']} tokens/step, {r['threads']} thread(s), peak {r['matmul_peak_gflops']:.0f} GFLOP/s")
+
+
 def _ratio_table(out: str, labels: list[str]) -> list[str]:
     """Rows of a table whose first column is a sequence length: the columns ending in 'x'."""
     rows = []
@@ -130,10 +137,11 @@ def long_context(out: str) -> tuple[str, str]:
 
 def decode(out: str) -> tuple[str, str]:
     r = last_json(out)
-    return (f"speculative {r['speedup']:.2f}x plain ({r['speculative_tokens_per_s']:.0f} vs "
-            f"{r['plain_tokens_per_s']:.0f} tokens/s), acceptance length {r['mean_acceptance_length']:.2f}, "
-            f"outputs identical: {r['greedy_outputs_identical']}",
-            f"trained {r['train_seconds']:g} s, {r['prompts']} prompts x {r['new_tokens']} tokens")
+    kinds = "; ".join(f"{k} {v['speedup']:.2f}x, acceptance {v['mean_acceptance_length']:.2f}, "
+                      f"whitespace {v['whitespace_fraction_of_output']:.0%}" for k, v in r["per_kind"].items())
+    return (f"speculative vs plain greedy: {kinds}; outputs identical: {r['greedy_outputs_identical']}",
+            f"{r['model_preset']} ({r['params']:,} params), trained {r['train_seconds']:g} s, "
+            f"{r['prompts_per_kind']} prompts per kind x {r['new_tokens']} tokens")
 
 
 def rl_reasoning(out: str) -> tuple[str, str]:
@@ -205,6 +213,8 @@ BENCHES = [
           extra=lambda a: ["--datatrove-python", a.datatrove_python] if a.datatrove_python else []),
     Bench("train", ["--steps", "5", "--warmup", "1", "--rounds", "1"], [], train,
           "DeepSpeed training step vs a plain PyTorch loop, MFU"),
+    Bench("mfu_ceiling", ["--widths", "128", "--steps", "2", "--repeats", "2", "--json"], ["--json"], mfu_ceiling,
+          "training-step MFU vs the ceiling of the step's own matmuls, tiny / small / small widened"),
     Bench("attention", ["--lengths", "1024", "2048"], ["--lengths", "2048", "8192", "16384", "32768"], attention,
           "DSA vs dense attention forward + backward, GLM-5 widths / 4"),
     Bench("long_context", ["--lengths", "512", "1024"], [], long_context,
