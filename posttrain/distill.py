@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -239,16 +238,6 @@ def recovery(teacher: dict[str, float], before: dict[str, float], after: dict[st
 
 
 # ---------------------------------------------------------------- the stage
-def _save(root: Path, step: int, model, opt, gen, meta: dict[str, Any], keep: int) -> None:
-    tag = checkpoint.tag_for(step)
-    shutil.rmtree(root / tag, ignore_errors=True)
-    (root / tag).mkdir(parents=True)
-    with checkpoint.saving(root, tag):
-        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "rollout_rng": gen.get_state()},
-                   root / tag / STATE)
-    checkpoint.finalize(root, tag, {"step": step, **meta}, keep)
-
-
 def run_distill(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
     tokenizer = load_tokenizer(inputs["tokenize"])
     model = load_state(artifact_weights(inputs["rl-general"], "rl-general"))
@@ -306,7 +295,9 @@ def run_distill(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir) -
             workdir.progress(step, cfg.steps, f"distill reverse KL {rec.get('reverse_kl', float('nan')):.3f}")
             stop = stop_requested() and step < cfg.steps
             if step % cfg.checkpoint_every == 0 or step == cfg.steps or stop:
-                _save(root, step, model, opt, gen, {"before": before, "teacher_evals": teacher_evals}, cfg.keep_last)
+                checkpoint.save_torch(root, step, {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                                   "rollout_rng": gen.get_state()},
+                                      {"before": before, "teacher_evals": teacher_evals}, cfg.keep_last, name=STATE)
                 workdir.persist_checkpoint()
             if stop:
                 raise shutdown.Preempted(f"distill stopped by a signal: checkpoint at step {step} of {cfg.steps}")

@@ -33,7 +33,6 @@ import json
 import logging
 import random
 import re
-import shutil
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -316,12 +315,8 @@ def run_reward_model(cfg: RewardModelConfig, inputs: dict[str, Path], workdir: W
         metrics.append(log_path, rec)
         workdir.progress(step, cfg.steps, f"reward-model loss {rec['loss']:.3f}")
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-            tag = checkpoint.tag_for(step)
-            shutil.rmtree(root / tag, ignore_errors=True)
-            (root / tag).mkdir(parents=True)
-            with checkpoint.saving(root, tag):
-                torch.save({"model": rm.state_dict(), "optimizer": opt.state_dict()}, root / tag / STATE)
-            checkpoint.finalize(root, tag, {"step": step, "before": before}, cfg.keep_last)
+            checkpoint.save_torch(root, step, {"model": rm.state_dict(), "optimizer": opt.state_dict()},
+                                  {"before": before}, cfg.keep_last, name=STATE)
             workdir.persist_checkpoint()
     after = heldout_accuracy(rm, he_c, he_r, kinds, cfg.eval_batch)
     records = metrics.read(log_path)

@@ -34,7 +34,6 @@ import json
 import logging
 import math
 import random
-import shutil
 import time
 from collections import Counter
 from pathlib import Path
@@ -195,13 +194,9 @@ def reset_optimizer(opt: torch.optim.Optimizer) -> None:
 # ---------------------------------------------------------------- checkpoints
 def save_checkpoint(root: Path, step: int, model, opt, state: dict[str, Any], buffer: dict[int, list[Sample]],
                     keep_last: int) -> None:
-    tag = checkpoint.tag_for(step)
-    d = root / tag
-    shutil.rmtree(d, ignore_errors=True)
-    d.mkdir(parents=True)
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, d / STATE)
-    (d / BUFFER).write_text(json.dumps({str(g): [sample_to_dict(s) for s in ss] for g, ss in buffer.items()}))
-    checkpoint.finalize(root, tag, {"step": step, **state}, keep_last)
+    buffered = json.dumps({str(g): [sample_to_dict(s) for s in ss] for g, ss in buffer.items()})
+    checkpoint.save_torch(root, step, {"model": model.state_dict(), "optimizer": opt.state_dict()},
+                          {k: v for k, v in state.items() if k != "step"}, keep_last, {BUFFER: buffered}, name=STATE)
 
 
 def load_checkpoint(root: Path, model, opt) -> tuple[dict[str, Any], dict[int, list[Sample]]] | None:
@@ -341,14 +336,6 @@ def worker_config(cfg: RLAgenticConfig, inputs: dict[str, Path], seed: int) -> d
             "env_args": cfg.env_args, "threads": 1, "context": cfg.context.model_dump() if cfg.context else None}
 
 
-def first_last(records: list[dict[str, Any]], key: str) -> dict[str, float] | None:
-    vals = [r[key] for r in records if r.get(key) is not None]
-    if not vals:
-        return None
-    k = max(1, len(vals) // 10)
-    return {"first": sum(vals[:k]) / k, "last": sum(vals[-k:]) / k}
-
-
 def publish(model, inputs, out: Path, records, before, after) -> dict[str, Any]:
     drops: Counter = Counter()
     lags: Counter = Counter()
@@ -358,12 +345,12 @@ def publish(model, inputs, out: Path, records, before, after) -> dict[str, Any]:
     trained = [g for r in records for g in r["groups"]]
     result = {
         "steps": len(records),
-        "reward": first_last(records, "reward"),
+        "reward": metrics.first_last(records, "reward"),
         "heldout_accuracy": {e: {"before": before[e]["acc"], "after": after[e]["acc"], "n": after[e]["n"]}
                              for e in after},
         "dropped": dict(drops),
-        "kept_length_mean": first_last(records, "kept_length_mean"),
-        "tool_call_rate": first_last(records, "tool_call_rate"),
+        "kept_length_mean": metrics.first_last(records, "kept_length_mean"),
+        "tool_call_rate": metrics.first_last(records, "tool_call_rate"),
         "dropped_length_mean": _mean([r["dropped_length_mean"] for r in records if r.get("dropped_length_mean")]),
         "is_masked_fraction": sum(r.get("is_masked_fraction", 0.0) for r in records) / len(records),
         "version_lag_histogram": dict(sorted(lags.items())),

@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import shutil
 import time
 from collections import Counter
 from pathlib import Path
@@ -254,16 +253,6 @@ def orm_accuracy(inputs: dict[str, Path]) -> Optional[float]:
     return json.loads((Path(p) / "orm.json").read_text())["heldout_pairwise_accuracy"]
 
 
-def _save(root: Path, step: int, model, opt, gen: torch.Generator, before: dict[str, float], keep: int) -> None:
-    tag = checkpoint.tag_for(step)
-    shutil.rmtree(root / tag, ignore_errors=True)
-    (root / tag).mkdir(parents=True)
-    with checkpoint.saving(root, tag):
-        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "rollout_rng": gen.get_state()},
-                   root / tag / STATE)
-    checkpoint.finalize(root, tag, {"step": step, "before": before}, keep)
-
-
 def run_rl_general(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workdir,
                    judges: Optional[dict[str, Judge]] = None) -> dict[str, Any]:
     """`judges` replaces the ORM / GRM built from the inputs (tests: deterministic fakes)."""
@@ -323,21 +312,15 @@ def run_rl_general(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workd
             workdir.progress(step, cfg.steps, f"rl-general reward {rec['reward']:.3f}")
             stop = stop_requested() and step < cfg.steps
             if step % cfg.checkpoint_every == 0 or step == cfg.steps or stop:
-                _save(root, step, model, opt, gen, before, cfg.keep_last)
+                checkpoint.save_torch(root, step, {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                                   "rollout_rng": gen.get_state()}, {"before": before}, cfg.keep_last,
+                                      name=STATE)
                 workdir.persist_checkpoint()
             if stop:
                 raise shutdown.Preempted(f"rl-general stopped by a signal: checkpoint at step {step} of {cfg.steps}")
     after = gates.measure(model, tokenizer, cfg.gates.evals, seed)
     records = metrics.read(log_path)
     return publish(cfg, model, inputs, workdir.out, records, before, after, samples)
-
-
-def first_last(records: list[dict[str, Any]], key: str) -> dict[str, float] | None:
-    vals = [r[key] for r in records if r.get(key) is not None]
-    if not vals:
-        return None
-    k = max(1, len(vals) // 10)
-    return {"first": sum(vals[:k]) / k, "last": sum(vals[-k:]) / k}
 
 
 def publish(cfg: RLGeneralConfig, model: GLMModel, inputs: dict[str, Path], out: Path, records: list[dict[str, Any]],
@@ -350,14 +333,14 @@ def publish(cfg: RLGeneralConfig, model: GLMModel, inputs: dict[str, Path], out:
     vkeys = sorted({k for r in records for k in r if k.startswith("verified/")})
     result: dict[str, Any] = {
         "steps": len(records),
-        "reward": first_last(records, "reward"),
-        "reward_per_component": {k.split("/", 1)[1]: first_last(records, k) for k in keys},
-        "disagreement": {k.split("/", 1)[1]: first_last(records, k) for k in dkeys},
-        "verified_accuracy": {k.split("/", 1)[1]: first_last(records, k) for k in vkeys},
+        "reward": metrics.first_last(records, "reward"),
+        "reward_per_component": {k.split("/", 1)[1]: metrics.first_last(records, k) for k in keys},
+        "disagreement": {k.split("/", 1)[1]: metrics.first_last(records, k) for k in dkeys},
+        "verified_accuracy": {k.split("/", 1)[1]: metrics.first_last(records, k) for k in vkeys},
         "judge_failures": dict(failures),
         "reward_error_fraction": sum(r["reward_error_fraction"] for r in records) / len(records),
         "grm_unparsed_fraction": sum(r["grm_unparsed_fraction"] for r in records) / len(records),
-        "response_length": first_last(records, "response_length"),
+        "response_length": metrics.first_last(records, "response_length"),
         "orm_heldout_pairwise_accuracy": orm_accuracy(inputs),
     }
     out.mkdir(parents=True, exist_ok=True)

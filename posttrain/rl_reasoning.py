@@ -179,17 +179,9 @@ def evaluate(engine: RolloutEngine, policy: GLMModel, worker: RewardWorker, toke
 # ---------------------------------------------------------------- checkpoints
 def save_checkpoint(root: Path, step: int, model: GLMModel, opt: torch.optim.Optimizer, gen: torch.Generator,
                     evals_before: dict[str, Any], keep_last: int) -> None:
-    tag = checkpoint.tag_for(step)
-    d = root / tag
-    if d.exists():                       # a leftover of a save a crash interrupted
-        import shutil
-
-        shutil.rmtree(d)
-    d.mkdir(parents=True)
-    with checkpoint.saving(root, tag):  # a full disk: a clear error, the previous checkpoint kept
-        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "rollout_rng": gen.get_state()},
-                   d / STATE)
-    checkpoint.finalize(root, tag, {"step": step, "evals_before": evals_before}, keep_last)
+    checkpoint.save_torch(root, step, {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                       "rollout_rng": gen.get_state()}, {"evals_before": evals_before}, keep_last,
+                          name=STATE)
 
 
 def load_checkpoint(root: Path, model: GLMModel, opt: torch.optim.Optimizer, gen: torch.Generator
@@ -206,14 +198,6 @@ def load_checkpoint(root: Path, model: GLMModel, opt: torch.optim.Optimizer, gen
 
 
 # ---------------------------------------------------------------- the stage
-def first_last(records: list[dict[str, Any]], key: str) -> dict[str, float] | None:
-    vals = [r[key] for r in records if key in r]
-    if not vals:
-        return None
-    k = max(1, len(vals) // 10)
-    return {"first": sum(vals[:k]) / k, "last": sum(vals[-k:]) / k}
-
-
 def run_rl_reasoning(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
     tokenizer = load_tokenizer(inputs["tokenize"])
     model = load_state(artifact_weights(inputs["sft"], "sft"))
@@ -298,8 +282,8 @@ def publish(cfg: RLReasoningConfig, model: GLMModel, inputs: dict[str, Path], ou
     domains = sorted({k.split("/", 1)[1] for r in records for k in r if k.startswith("reward/")})
     result: dict[str, Any] = {
         "steps": len(records),
-        "reward": first_last(records, "reward"),
-        "reward_per_domain": {d: first_last(records, f"reward/{d}") for d in domains},
+        "reward": metrics.first_last(records, "reward"),
+        "reward_per_domain": {d: metrics.first_last(records, f"reward/{d}") for d in domains},
         "heldout_accuracy": {"before": b["acc"], "after": a["acc"], "stderr_before": b["stderr"],
                              "stderr_after": a["stderr"], "n": a["n"],
                              "gain_in_stderr": (a["acc"] - b["acc"]) / se if se > 0 else None},
@@ -307,9 +291,9 @@ def publish(cfg: RLReasoningConfig, model: GLMModel, inputs: dict[str, Path], ou
                                  "n": after["gsm8k_test"]["n"]} if "gsm8k_test" in after else None),
         "icepop_masked_fraction": sum(r.get("icepop_masked_fraction", 0.0) for r in records) / len(records),
         "clip_fraction": sum(r.get("clip_fraction", 0.0) for r in records) / len(records),
-        "zero_variance_groups": first_last(records, "zero_variance_groups"),
-        "entropy": first_last(records, "entropy"),
-        "response_length": first_last(records, "response_length"),
+        "zero_variance_groups": metrics.first_last(records, "zero_variance_groups"),
+        "entropy": metrics.first_last(records, "entropy"),
+        "response_length": metrics.first_last(records, "response_length"),
         "reward_failures": dict(failures),
         "seconds_per_step": {k: sum(r[f"time/{k}"] for r in records) / len(records)
                              for k in ("generate", "reward", "train")},

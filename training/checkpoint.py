@@ -117,6 +117,22 @@ def saving(root: Path, tag: str) -> Iterator[None]:
         ) from e
 
 
+def save_torch(root: Path, step: int, state: dict[str, Any], meta: dict[str, Any], keep_last: int,
+               texts: dict[str, str] | None = None, name: str = "state.pt") -> None:
+    """Checkpoint `step` of a one-process stage (the RL stages, the reward model): `state`
+    torch.save'd as `name`, plus `texts` as text files. The leftover of a save a crash interrupted
+    is replaced; a full disk is a clear error with the previous checkpoint kept (saving); then
+    digests and meta with the step (finalize)."""
+    tag = tag_for(step)
+    shutil.rmtree(root / tag, ignore_errors=True)
+    (root / tag).mkdir(parents=True)
+    with saving(root, tag):
+        torch.save(state, root / tag / name)
+        for file, text in (texts or {}).items():
+            (root / tag / file).write_text(text)
+    finalize(root, tag, {"step": step, **meta}, keep_last)
+
+
 def tags(root: Path) -> list[str]:
     """Checkpoint directories under root, oldest first."""
     root = Path(root)

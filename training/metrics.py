@@ -45,6 +45,15 @@ def truncate(path: Path, last_step: int) -> None:
     tmp.replace(path)
 
 
+def first_last(records: list[dict[str, Any]], key: str) -> dict[str, float] | None:
+    """Mean of `key` over the first and the last tenth of the records that have it (at least one)."""
+    vals = [r[key] for r in records if r.get(key) is not None]
+    if not vals:
+        return None
+    k = max(1, len(vals) // 10)
+    return {"first": sum(vals[:k]) / k, "last": sum(vals[-k:]) / k}
+
+
 def write_tensorboard(records: list[dict[str, Any]], log_dir: Path, extra: dict[str, float] | None = None,
                       keys: tuple[str, ...] | list[str] = SCALARS) -> None:
     from torch.utils.tensorboard import SummaryWriter
