@@ -7,7 +7,7 @@ measures one fixed set of evals on its input model ("before") and on its result 
     gsm8k_acc            greedy accuracy on GSM8K test questions (thinking off)           higher
     heldout_ppl          perplexity of the GSM8K test reference answers (assistant tokens) lower
     tool_call_validity   share of replies to calculator-tool prompts that make at least
-                         one tool call and parse cleanly (parse_assistant with the tools)  higher
+                         one tool call and parse cleanly (rl.judges.valid_tool_call)     higher
 
 All evals run the full-precision weights greedily, so before/after differ only by the stage.
 A stage's config declares a tolerance per eval (`gates.tolerances`): an accuracy may drop by at
@@ -35,8 +35,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from model.model import GLMModel
-from posttrain.chat_template import STOP_TOKENS, Message, encode, parse_assistant
+from posttrain.chat_template import STOP_TOKENS, Message, encode
 from rl import arithmetic
+from rl.judges import valid_tool_call
 from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
 from rl.sample import Task
 
@@ -161,10 +162,7 @@ def measure(model: GLMModel, tokenizer, cfg: GateEvalConfig, seed: int = 0) -> d
 
         tools = [CALCULATOR]
         outs = _greedy(engine, [prompt_ids(tokenizer, t, tools) for t in tool_tasks], cfg.tool_max_new_tokens)
-        valid = []
-        for o in outs:
-            parsed = parse_assistant(tokenizer.decode(o, skip_special_tokens=False), tools=tools)
-            valid.append(parsed.ok and bool(parsed.message.tool_calls))
+        valid = [valid_tool_call(tokenizer.decode(o, skip_special_tokens=False), tools) for o in outs]
     finally:
         model.train(was)
     return {"arithmetic_acc": sum(arith) / len(arith), "gsm8k_acc": sum(gsm) / len(gsm), "heldout_ppl": ppl,

@@ -196,7 +196,7 @@ def save_checkpoint(root: Path, step: int, model, opt, state: dict[str, Any], bu
                     keep_last: int) -> None:
     buffered = json.dumps({str(g): [sample_to_dict(s) for s in ss] for g, ss in buffer.items()})
     checkpoint.save_torch(root, step, {"model": model.state_dict(), "optimizer": opt.state_dict()},
-                          {k: v for k, v in state.items() if k != "step"}, keep_last, {BUFFER: buffered}, name=STATE)
+                          state, keep_last, {BUFFER: buffered}, name=STATE)
 
 
 def load_checkpoint(root: Path, model, opt) -> tuple[dict[str, Any], dict[int, list[Sample]]] | None:

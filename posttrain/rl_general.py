@@ -46,13 +46,13 @@ from model.hf import artifact_weights, load_state
 from model.model import GLMModel, indexer_parameters
 from posttrain import gates
 from posttrain.gates import GateConfig
-from posttrain.chat_template import STOP_TOKENS, parse_assistant
+from posttrain.chat_template import STOP_TOKENS
 from posttrain.sft_data import CALCULATOR
 from posttrain.qat import QATConfig
 from rl import arithmetic
 from rl.grpo import UpdateParams, assign_advantages, update
 from rl.judges import COMPONENTS, Judge, JudgeService, combine, disagreement, grm_judge, length_penalty, orm_judge, \
-    rule_reward
+    rule_reward, valid_tool_call
 from rl.rewards import REWARDS
 from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
 from rl.sample import Sample, Status, Task
@@ -205,9 +205,8 @@ def verified_accuracy(samples: list[Sample], tokenizer) -> dict[str, float]:
             t = Task(VERIFIED[src], s.task.prompt, s.task.answer, s.task.meta)
             hits.setdefault(src, []).append(REWARDS[t.domain](s.text, t).score)
         elif src == "tool":
-            parsed = parse_assistant(tokenizer.decode(s.response_ids, skip_special_tokens=False),
-                                     tools=s.task.meta["tools"])
-            hits.setdefault("tool_call", []).append(float(parsed.ok and bool(parsed.message.tool_calls)))
+            raw = tokenizer.decode(s.response_ids, skip_special_tokens=False)
+            hits.setdefault("tool_call", []).append(float(valid_tool_call(raw, s.task.meta["tools"])))
     return {src: sum(v) / len(v) for src, v in hits.items()}
 
 

@@ -48,15 +48,19 @@ def language_score(text: str) -> float:
     return sum(c.isascii() for c in letters) / len(letters)
 
 
-def format_score(raw_text: str, tools: Sequence[dict] | None = None) -> float:
-    """1.0 when the raw assistant text (special tokens kept) parses without error, else 0.0."""
-    return float(parse_assistant(raw_text, tools=tools).ok)
-
-
 def rule_reward(raw_text: str, tools: Sequence[dict] | None = None) -> dict[str, float]:
-    f = format_score(raw_text, tools)
-    lang = language_score(parse_assistant(raw_text, tools=tools).message.content or "")
+    """format: 1.0 when the raw assistant text (special tokens kept) parses without error against
+    `tools`; language: language_score of its content; rule: their mean."""
+    parsed = parse_assistant(raw_text, tools=tools)
+    f, lang = float(parsed.ok), language_score(parsed.message.content or "")
     return {"format": f, "language": lang, "rule": (f + lang) / 2}
+
+
+def valid_tool_call(raw_text: str, tools: Sequence[dict]) -> bool:
+    """The reply makes at least one tool call and parses cleanly against `tools` (the gates'
+    tool_call_validity)."""
+    parsed = parse_assistant(raw_text, tools=tools)
+    return parsed.ok and bool(parsed.message.tool_calls)
 
 
 def length_penalty(n_tokens: int, target: int) -> float:
