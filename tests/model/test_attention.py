@@ -138,7 +138,7 @@ def test_explicit_sparse_training_path_equals_absorbed(T, padded):
             m.zero_grad()
             out = m(x, labels=y, **kw)
             out.loss.backward()
-            got[form] = (out.logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters()
+            got[form] = (out.loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()
                                                if p.grad is not None})
         _set_sparse_form(m, "auto")
         (la, ga), (le, ge) = got["absorbed"], got["explicit"]
