@@ -15,7 +15,10 @@
    full-precision SFT, identical to the baseline's, and QAT then adapts the trained weights.
 3. The PTQ baseline: a second train_stage run, identical (same seed, data order, steps) except
    without QAT, under workdir.checkpoint/baseline. Its round-to-nearest INT4 is `ptq_int4`.
-   (PTQ of the QAT run's own weights would be no baseline: it IS the QAT INT4 model.)
+   (PTQ of the QAT run's own weights would be no baseline: it IS the QAT INT4 model.) With
+   qat_start_fraction > 0 the two runs' first steps are the same, so they are trained once: the
+   baseline trains them and stops with a checkpoint, the QAT run starts from a copy of it
+   (training.checkpoint.branch), then the baseline goes on to the end.
 4. Evaluation in this process, on held-out data: perplexity over the assistant tokens of the
    held-out conversations and greedy GSM8K accuracy on held-out questions (thinking off, short
    answers) for
@@ -64,7 +67,7 @@ from posttrain.chat_template import STOP_TOKENS, Message, encode, parse_assistan
 from posttrain.export_int4 import export_all
 from posttrain.qat import (QATConfig, convert_int4, int4_bytes, load_int4_model, quantized_modules,
                            save_int4)
-from training import synthetic
+from training import checkpoint, synthetic
 from training.config import TrainConfig
 from training.data import eval_batches
 from training.objectives import SFTSpec
@@ -278,13 +281,20 @@ def _train_and_quantize(cfg: SFTConfig, model_cfg, init: Path, data_dir: Path, t
                         workdir: Workdir, name: str = "sft") -> tuple[dict[str, Any], dict[str, Any]]:
     """The QAT run, its PTQ baseline (same seed, data order and steps), and the quantization
     table of the pair, in `workdir` (each run resumable on its own)."""
+    qat_start = int(cfg.qat_start_fraction * cfg.steps_for(cfg.seq_len))
+    with_baseline = cfg.ptq_baseline and cfg.use_qat
+    root = workdir.checkpoint / "baseline"
+    bwd = workdir.sub(root / "out", root / "checkpoint")
+    if with_baseline and qat_start > 0 and checkpoint.select_resume(workdir.checkpoint) is None:
+        # The steps before fake quantization are the same in both runs: the baseline trains them
+        # and the QAT run starts from its checkpoint (bit for bit what it would have trained).
+        train_stage(f"{name}-baseline", cfg, model_cfg, data_dir, tok_dir, bwd, init, SFTSpec(), stop_at=qat_start)
+        checkpoint.branch(bwd.checkpoint, workdir.checkpoint, checkpoint.tag_for(qat_start))
+        workdir.persist_checkpoint()
     result = train_stage(name, cfg, model_cfg, data_dir, tok_dir, workdir, init,
-                         SFTSpec(qat=cfg.qat if cfg.use_qat else None,
-                                 qat_start_step=int(cfg.qat_start_fraction * cfg.steps_for(cfg.seq_len))))
+                         SFTSpec(qat=cfg.qat if cfg.use_qat else None, qat_start_step=qat_start))
     baseline = None
-    if cfg.ptq_baseline and cfg.use_qat:
-        root = workdir.checkpoint / "baseline"
-        bwd = workdir.sub(root / "out", root / "checkpoint")
+    if with_baseline:
         # eval.json is the loop's last export file: a retry after the baseline finished skips it
         if not (bwd.out / "eval.json").exists():
             train_stage(f"{name}-baseline", cfg, model_cfg, data_dir, tok_dir, bwd, init, SFTSpec())

@@ -192,6 +192,26 @@ def select_resume(root: Path) -> tuple[str, dict[str, Any]] | None:
     return None
 
 
+def branch(src: Path, dst: Path, tag: str) -> None:
+    """Start run `dst` from run `src`'s complete checkpoint `tag`: the checkpoint and the metrics
+    of its steps are copied into `dst` (empty), which then resumes from it as from its own. Two
+    runs that share their first steps (same seed, data, schedule) train them once (sft)."""
+    src, dst = Path(src), Path(dst)
+    problem = verify(src, tag)
+    if problem is not None:
+        raise ValueError(f"cannot branch from checkpoint {tag} in {src}: {problem}")
+    step = json.loads((src / tag / META).read_text())["step"]
+    dst.mkdir(parents=True, exist_ok=True)
+    tmp = dst / f".branch-{tag}"            # not a tag name: a copy cut short is never resumed from
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src / tag, tmp)
+    kept = [line for line in (src / "metrics.jsonl").read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= step] if (src / "metrics.jsonl").exists() else []
+    _atomic_write(dst / "metrics.jsonl", "".join(line + "\n" for line in kept))
+    os.replace(tmp, dst / tag)
+    _atomic_write(dst / LATEST, tag)
+
+
 # ---------------------------------------------------------------- RNG states (JSON-safe)
 def rng_state() -> dict[str, Any]:
     np_state = np.random.get_state()

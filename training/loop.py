@@ -242,7 +242,8 @@ def train(spec: RankSpec, guard: PreemptionGuard | None = None, objective: Objec
     gamma = model_cfg.bias_update_rate
     tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * world * seq_len
     engine.train()
-    while step < total:
+    end = total if spec.stop_at is None else min(spec.stop_at, total)
+    while step < end:
         lr = cfg.lr * lr_factor(step, total, cfg.schedule, cfg.warmup_steps, cfg.min_lr_ratio, cfg.decay_fraction)
         set_lr(engine, lr)
         objective.begin_step(engine.module, step)
@@ -262,12 +263,14 @@ def train(spec: RankSpec, guard: PreemptionGuard | None = None, objective: Objec
                    "expert_load_max_mean": 1.0 + balance["max_violation"]}
             metrics.append(log_path, rec)
             _say(METRIC, {**rec, "total_steps": total})
-        if step % cfg.checkpoint_every == 0 or step == total or stops > 0:
+        if step % cfg.checkpoint_every == 0 or step == end or stops > 0:
             save(engine, ckpt_dir, step, tokens, loader, eval_before, spec, cfg.keep_last, rank, world, ep)
-        if stops > 0 and step < total:
+        if stops > 0 and step < end:
             if rank == 0:
                 print(f"preempted: checkpoint at step {step} of {total} written; exiting {EXIT_PREEMPTED}", flush=True)
             raise SystemExit(EXIT_PREEMPTED)
+    if end < total:     # a prefix: its checkpoint is the result
+        return
 
     eval_after = evaluate(engine.module, val_ds, cfg.micro_batch_size, cfg.eval_sequences, rank, world)
     full = gathered_state_dict(engine.module) if ep is not None else None   # a collective: all ranks

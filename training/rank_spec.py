@@ -30,6 +30,9 @@ class RankSpec(BaseModel):
     init_weights: Path | None = None   # a previous stage's consolidated.safetensors
     resume: str | None = None          # checkpoint tag to continue from
     objective: ObjectiveSpec = LMSpec()
+    # stop with a checkpoint after this many steps, without the held-out score and export (the
+    # lr schedule stays total_steps'): the shared prefix of two runs that then branch (sft)
+    stop_at: int | None = Field(None, ge=1)
 
     def write(self, path: Path) -> None:
         path.write_text(self.model_dump_json(indent=1))

@@ -59,20 +59,22 @@ def model_config_for(cfg: PretrainConfig, tokenizer_vocab: int) -> ModelConfig:
 
 def rank_spec(cfg: TrainConfig, model_cfg: ModelConfig, workdir: Workdir, total_steps: int, data_dir: Path,
               tokenizer_dir: Path, init_weights: Path | None, resume: str | None,
-              objective: ObjectiveSpec) -> RankSpec:
+              objective: ObjectiveSpec, stop_at: int | None = None) -> RankSpec:
     return RankSpec(
         # the ranks need the shared training fields only (not the model/data sections)
         train=TrainConfig(**{k: getattr(cfg, k) for k in TrainConfig.model_fields}),
         model=model_cfg, seed=workdir.seed + cfg.seed_offset, total_steps=total_steps,
         data_dir=data_dir, tokenizer_dir=tokenizer_dir, checkpoint_dir=workdir.checkpoint, out_dir=workdir.out,
-        init_weights=init_weights, resume=resume, objective=objective)
+        init_weights=init_weights, resume=resume, objective=objective, stop_at=stop_at)
 
 
 def train_stage(name: str, cfg: TrainConfig, model_cfg: ModelConfig, data_dir: Path, tokenizer_dir: Path,
                 workdir: Workdir, init_weights: Path | None = None,
-                objective: ObjectiveSpec | None = None) -> dict[str, Any]:
+                objective: ObjectiveSpec | None = None, stop_at: int | None = None) -> dict[str, Any]:
     """Launch (or resume) the ranks, then turn their outputs into the stage artifact + metrics.
-    `objective` is what the ranks optimise (training.objectives; default: the LM loss)."""
+    `objective` is what the ranks optimise (training.objectives; default: the LM loss).
+    `stop_at`: train only the first steps of the run (its lr schedule unchanged) and stop with
+    their checkpoint, nothing published (returns {})."""
     train_ds = PackedDataset(data_dir, "train")
     seq_len = train_ds.seq_len
     if seq_len > model_cfg.max_position_embeddings:
@@ -102,7 +104,7 @@ def train_stage(name: str, cfg: TrainConfig, model_cfg: ModelConfig, data_dir: P
         log.info("%s: resuming from checkpoint %s (step %d of %d)", name, resume[0], resume[1]["step"], total)
 
     spec = rank_spec(cfg, model_cfg, workdir, total, data_dir, tokenizer_dir, init_weights,
-                     resume[0] if resume else None, objective or LMSpec())
+                     resume[0] if resume else None, objective or LMSpec(), stop_at)
 
     def on_line(line: str) -> None:
         if line.startswith(METRIC + " "):
@@ -119,6 +121,8 @@ def train_stage(name: str, cfg: TrainConfig, model_cfg: ModelConfig, data_dir: P
             log.info("%s: %s", name, line)
 
     run_ranks(spec, cfg.launch, ckpt / "launch.json", on_line)
+    if stop_at is not None and stop_at < total:
+        return {}
     return publish(name, workdir, model_cfg, cfg, seq_len, resume)
 
 

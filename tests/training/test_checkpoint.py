@@ -74,3 +74,24 @@ def test_rng_state_roundtrips_through_json():
     ck.set_rng_state(state)
     got = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(want[0], got[0]) and np.array_equal(want[1], got[1]) and want[2] == got[2]
+
+
+def test_branch_copies_a_checkpoint_and_its_metrics_into_a_fresh_run(tmp_path):
+    import json
+
+    import pytest
+
+    src, dst = tmp_path / "baseline", tmp_path / "qat"
+    for s in (2, 4):
+        _save(src, s)
+    (src / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3, 4)))
+    ck.branch(src, dst, ck.tag_for(2))
+    tag, meta = ck.select_resume(dst)
+    assert tag == ck.tag_for(2) and meta["step"] == 2 and ck.tags(dst) == [tag]
+    assert [json.loads(line)["step"] for line in (dst / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert ck.tags(src) == [ck.tag_for(2), ck.tag_for(4)]            # the source is left as it was
+    # a damaged source is refused, and nothing lands in the destination
+    (src / ck.tag_for(4) / "mp_rank_00_model_states.pt").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="digest mismatch"):
+        ck.branch(src, tmp_path / "other", ck.tag_for(4))
+    assert ck.select_resume(tmp_path / "other") is None
