@@ -32,6 +32,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from training import metrics
+
 log = logging.getLogger("glmforge")
 
 LATEST, MARKER, META = "latest", "COMPLETE", "meta.json"
@@ -205,9 +207,12 @@ def branch(src: Path, dst: Path, tag: str) -> None:
     tmp = dst / f".branch-{tag}"            # not a tag name: a copy cut short is never resumed from
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(src / tag, tmp)
-    kept = [line for line in (src / "metrics.jsonl").read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= step] if (src / "metrics.jsonl").exists() else []
-    _atomic_write(dst / "metrics.jsonl", "".join(line + "\n" for line in kept))
+    records = dst / "metrics.jsonl"
+    if (src / "metrics.jsonl").exists():
+        shutil.copy(src / "metrics.jsonl", records)
+        metrics.truncate(records, step)         # the steps the checkpoint contains
+    else:
+        records.unlink(missing_ok=True)
     os.replace(tmp, dst / tag)
     _atomic_write(dst / LATEST, tag)
 
