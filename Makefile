@@ -9,7 +9,12 @@ export DS_ACCELERATOR := cpu
 
 .PHONY: setup demo effects test bench clean
 
+# model-written code runs under bubblewrap (rl/sandbox.py): installed here when root with apt-get
 setup: $(VENV)/.installed
+	@command -v bwrap >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+	  && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } \
+	  || echo "warning: bwrap (Debian's bubblewrap) is missing: RL code rewards and sandboxed environments will" \
+	          "refuse to run (install it, or see sandbox_allow_weak_isolation in README.md)"
 
 $(VENV)/.installed: requirements-cpu.txt requirements-dev.txt pyproject.toml
 	python3 -m venv $(VENV)

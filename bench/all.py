@@ -183,6 +183,15 @@ def cached_rerun(out: str) -> tuple[str, str]:
         speed[speed.find("(") + 1: speed.rfind(")")]
 
 
+def sandbox(out: str) -> tuple[str, str]:
+    r = last_json(out)
+    rows = "; ".join(f"{name} {v['sandbox']['median_ms']:.0f} ms (p95 {v['sandbox']['p95_ms']:.0f}) vs plain "
+                     f"{v['baseline']['median_ms']:.0f} ms = {v['ratio']:.2f}x ({v['ratio_same_python']:.2f}x the "
+                     f"sandbox's own python unisolated)" for name, v in r["rows"].items())
+    iso = r["isolation"]
+    return f"{iso['tool']} {iso['bwrap_version']}: {rows}", f"{r['runs']} runs per side"
+
+
 def tail(n: int) -> Callable[[str], tuple[str, str]]:
     def parse(out: str) -> tuple[str, str]:
         lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
@@ -234,6 +243,8 @@ BENCHES = [
           needs=lambda a: None if a.cached_home else "needs a GLMFORGE_HOME whose store holds the published "
           "pipeline: --cached-home DIR (run the pipeline there once first)",
           extra=lambda a: ["--home", a.cached_home, "--until", a.cached_until] if a.cached_home else []),
+    Bench("sandbox", ["--quick", "--json"], ["--json"], sandbox,
+          "the sandbox's cost per call (print(1), an MBPP test run) beside the same programs unisolated"),
     Bench("effects_long_context", ["--smoke"], [], tail(3), "effect study: full vs DSA vs SWA on MQAR (~1 h)",
           default=False),
     Bench("effects_qat", ["--smoke"], [], tail(3), "effect study: INT4 QAT vs PTQ (~1 h)", default=False),

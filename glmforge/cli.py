@@ -48,6 +48,46 @@ def ensure_homes() -> None:
                 _fail(f"${var}={os.environ[var]}: cannot create the folder: {e}")
 
 
+_prefect_database_lock = None  # the flock on this process's Prefect database, held until it exits
+
+
+def claim_prefect_database(home: Path):
+    """The SQLite database for this process's ephemeral Prefect server, and the open lock file
+    that keeps it this process's alone: $PREFECT_HOME/prefect.db when no other glmforge process
+    on this machine holds it, else prefect-run{N}.db of the first free slot N. Two servers on
+    one SQLite file crash on its migrations and locks ("database is locked"). The flock ends
+    with the process, however it ends, so a slot is reused by the next run."""
+    import fcntl
+    import itertools
+
+    home.mkdir(parents=True, exist_ok=True)
+    for slot in itertools.count():
+        lock = open(home / f".glmforge-db-{slot}.lock", "a")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            continue
+        return home / ("prefect.db" if slot == 0 else f"prefect-run{slot}.db"), lock
+
+
+def own_prefect_database() -> None:
+    """Before Prefect is imported: point this run's ephemeral Prefect server at a database no
+    concurrent run uses (claim_prefect_database). Left alone: a run reporting to a server
+    ($PREFECT_API_URL) and a database chosen in the environment."""
+    global _prefect_database_lock
+    chosen = ("PREFECT_API_URL", "PREFECT_SERVER_DATABASE_CONNECTION_URL", "PREFECT_API_DATABASE_CONNECTION_URL")
+    if _prefect_database_lock is not None or any(os.environ.get(v) for v in chosen):
+        return
+    home = Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser()
+    try:
+        database, _prefect_database_lock = claim_prefect_database(home)
+    except OSError as e:
+        _fail(f"Prefect home {home}: cannot lock a database there: {e}")
+    if database.name != "prefect.db":
+        os.environ["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = f"sqlite+aiosqlite:///{database}"
+
+
 def _fail(msg: str, code: int = 2) -> None:
     typer.echo(f"error: {msg}", err=True)
     raise typer.Exit(code)
@@ -74,6 +114,9 @@ def _stopped(what: str, e: BaseException) -> None:
 def _print_stages(record: dict) -> None:
     for s in record["stages"]:
         extra = f"  {s['error']}" if s.get("error") else ""
+        alerts = ((s.get("metrics") or {}).get("reward_recheck") or {}).get("alert_steps")
+        if alerts:          # rl.reward_audit: the policy may be exploiting its reward
+            extra += f"  reward re-check disagreed at steps {', '.join(map(str, alerts[:10]))}"
         typer.echo(f"  {s['name']:<16} {s['state']:<8} {s['key'] or '-':<26} {s['artifact'] or ''}{extra}")
 
 
@@ -97,7 +140,6 @@ def run(
             get_stage(until)
     except (ConfigError, ValueError) as e:
         _fail(str(e))
-    ensure_homes()      # after validation: a refused config leaves nothing behind
     args = dict(
         preset=None if config else (preset or "tiny"),
         config_file=str(config) if config else None,
@@ -109,13 +151,19 @@ def run(
     # (A store whose credentials live in a Prefect Secret block needs Prefect to open it.)
     if not flow and cfg.store.credentials_block is None:
         from glmforge.cached_run import record_if_cached
+        from glmforge.store import StoreUnavailableError
 
         source = {k: args[k] for k in ("preset", "config_file", "overrides", "until")}
-        record = record_if_cached(cfg, _store(args["store"] or cfg.store.uri), stages_until(until), source)
+        try:
+            record = record_if_cached(cfg, _store(args["store"] or cfg.store.uri), stages_until(until), source)
+        except StoreUnavailableError as e:
+            _fail(str(e), code=1)
         if record is not None:
             typer.echo(f"run {record.id}: {record.state} (every stage already published; Prefect not started)")
             _print_stages(record.public())
             return
+    ensure_homes()      # only now: a refused config or an unreachable store leaves nothing behind
+    own_prefect_database()
     pipeline = resolve(PIPELINE_FLOW)
 
     from glmforge.shutdown import Preempted
@@ -149,6 +197,7 @@ def resume(
     record = RunRecord.load(st, run_id)
     if record is None:
         _fail(f"no run recorded in {st.uri}; start one with `glmforge run`")
+    own_prefect_database()
     stage_flow = resolve(STAGE_FLOW)
     from glmforge.shutdown import Preempted
 
@@ -414,11 +463,16 @@ def main() -> None:
     from glmforge import shutdown
 
     shutdown.install()  # SIGTERM (docker stop, a pod eviction) takes Ctrl-C's path everywhere
+    from glmforge.store import StoreUnavailableError
+
     try:
         app()
     except ConfigError as e:
         typer.echo(f"error: {e}", err=True)
         sys.exit(2)
+    except StoreUnavailableError as e:  # any command that reads an S3 store whose server is down
+        typer.echo(f"error: {e}", err=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,17 @@ def resolve_model_dir(ref: str | Path) -> Path:
     from glmforge.artifacts import materialize, parse_uri
 
     p = Path(ref)
-    if p.is_dir() and parse_uri(str(ref)) is None:
-        return p
+    if parse_uri(str(ref)) is None:
+        if p.is_dir():
+            return p
+        from glmforge.pipeline import STAGE_NAMES
+
+        # a path, not STAGE[/KEY]: refused here, before a store is opened (and created)
+        if str(ref).partition("/")[0] not in STAGE_NAMES:
+            if p.exists():
+                raise ValueError(f"model {ref} is not a folder: give the folder holding config.json")
+            raise ValueError(f"model folder {ref} does not exist (a store artifact is named STAGE or "
+                             "STAGE/KEY, e.g. sft)")
 
     local = materialize(str(ref))
     for candidate in (local, local / "hf"):

@@ -189,7 +189,12 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def _read_layer(path: Path) -> tuple[dict[str, Any], dict[tuple[str, ...], int]]:
-    text = path.read_text()
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = e.object[: e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at byte offset "
+                          f"{e.start}); save the file as UTF-8") from None
     try:
         data = yaml.safe_load(text) or {}
         lines = _yaml_lines(text)
@@ -242,14 +247,15 @@ def load_config(
     data: dict[str, Any] = {}
     for _, layer, _ in layers:
         data = _merge(data, layer)
-    overridden: set[tuple[str, ...]] = set()
+    overridden: dict[tuple[str, ...], str] = {}  # key path -> the --set text that set it
     for item in overrides or []:
         key, value = parse_override(item)
         try:
             _set_dotted(data, key, value)
         except (IndexError, ValueError, TypeError) as e:
             raise ConfigError(f"--set {item!r}: {e}") from e
-        overridden.add(tuple(key.split(".")))
+        overridden[tuple(key.split("."))] = item
+    in_files = {p for _, _, ln in layers for p in ln}
     try:
         return pipeline_model().model_validate(data)
     except ValidationError as e:
@@ -257,8 +263,12 @@ def load_config(
         for err in e.errors():
             loc = tuple(str(x) for x in err["loc"])
             field = ".".join(loc) or "(top level)"
-            if any(loc[: len(o)] == o for o in overridden):
-                where = "--set"
+            # the --set whose value holds the error, or that made the failing key (an unknown
+            # section `--set nosuch.key=1` fails at `nosuch`, which no file sets)
+            blamed = next((item for o, item in overridden.items()
+                           if loc[: len(o)] == o or (loc and o[: len(loc)] == loc and loc not in in_files)), None)
+            if blamed is not None:
+                where = f"--set {blamed}"
             else:
                 where = str(path)
                 # the most specific key path, in the topmost file that sets it
@@ -268,4 +278,6 @@ def load_config(
                         where = f"{hit[0]}:{hit[1]}"
                         break
             problems.append(f"{where}: field {field}: {err['msg']}")
+        if len(problems) == 1:  # one problem, one line
+            raise ConfigError(f"invalid config: {problems[0]}") from None
         raise ConfigError("invalid config\n  " + "\n  ".join(problems)) from None

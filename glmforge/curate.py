@@ -69,6 +69,32 @@ def documents_from(input_path: str, work: Path, text_field: str = "text", text_t
     return wd.out, metrics
 
 
+def check_documents(input_path: str, docs: Path, read: dict[str, Any], text_field: str,
+                    text_template: str | None) -> None:
+    """ValueError naming why `input_path` gave no document: the count of each quarantine reason,
+    the first quarantined record, and for a missing text field the fields that record has and the
+    options that choose the text. (The quarantine file is in a temporary folder removed on error.)"""
+    if read.get("documents"):
+        return
+    if not read.get("quarantined"):
+        raise ValueError(f"input {input_path}: no records found")
+    counts = ", ".join(f"{reason} {n}" for reason, n in read["quarantine_reasons"].items())
+    first = json.loads((docs / "quarantine.jsonl").read_text(encoding="utf-8").split("\n")[0])  # not splitlines(): U+2028
+    where = f"{first['file']}:{first['line']}" if first.get("line") is not None else first["file"]
+    msg = (f"input {input_path}: every record was quarantined ({counts}); first at {where}: "
+           f"{first['reason'].partition(': ')[2] or first['reason']}")
+    if "missing_text" in read["quarantine_reasons"]:
+        try:
+            record = json.loads(first.get("raw", ""))
+        except (ValueError, TypeError):
+            record = None
+        if isinstance(record, dict):
+            msg += f" (its fields: {', '.join(map(repr, record))})"
+        msg += (f"; fix --text-template {text_template!r}" if text_template else
+                f"; choose the text field with --text-field (now {text_field!r}) or build the text with --text-template")
+    raise ValueError(msg)
+
+
 def write_output(out_dir: Path, output: str) -> list[str]:
     """Write a step's output directory to `output` (see module doc). Returns what was written."""
     is_file = output.endswith((".jsonl", ".parquet"))
@@ -139,6 +165,8 @@ def curate(
         read: dict[str, Any] = {}
         if spec.parents:
             docs, read = documents_from(input_path, work, text_field, text_template)
+            if set(spec.parents) - set(extra_inputs):  # the step reads these documents
+                check_documents(input_path, docs, read, text_field, text_template)
             for parent in spec.parents:
                 inputs[parent] = Path(extra_inputs.get(parent, docs))
                 if not inputs[parent].exists():

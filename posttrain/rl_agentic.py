@@ -40,22 +40,24 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from data_processing.tokenizer import load_tokenizer
-from glmforge.stage import Workdir
+from glmforge.stage import OPERATIONAL, Workdir
 from model.hf import artifact_weights, load_state
 from model.model import GLMModel, indexer_parameters
 from posttrain import gates
 from posttrain.chat_template import STOP_TOKENS
 from posttrain.gates import GateConfig
 from posttrain.qat import QATConfig
+from rl import reward_audit
 from rl.agent import context_for, prompt_tools, run_group
 from rl.envs import ENVIRONMENTS, make_env, tasks_for
 from rl.grpo import collate
 from rl.loss import double_sided_is_loss, group_advantages
 from rl.orchestrator import WorkerPool
 from rl.rollout import RolloutEngine, SamplingParams
+from rl.sandbox import require_isolation
 from rl.sample import Sample, Task
 from rl.staleness import admit, filter_groups
 from rl.wire import sample_from_dict, sample_to_dict
@@ -64,6 +66,8 @@ from training.loop import export
 
 log = logging.getLogger("glmforge")
 STATE, BUFFER = "state.pt", "buffer.json"
+# environments whose tools or verifier run model-written code in rl.sandbox (a test checks the list)
+SANDBOXED_ENVIRONMENTS = frozenset({"swe_repair", "terminal"})
 
 
 class ContextConfig(BaseModel):
@@ -101,11 +105,16 @@ class RLAgenticConfig(BaseModel):
     heartbeat_s: float = Field(1.0, gt=0)
     dead_after_s: float = Field(60.0, gt=0)
     heldout: int = Field(100, ge=0, description="held-out episodes per environment, greedy, before and after")
+    recheck_alert: float = Field(0.25, gt=0, le=1, description="share of rewarded episodes whose environment "
+                                 "re-check disagrees that raises an alert (rl.reward_audit)")
     checkpoint_every: int = Field(10, ge=1)
     keep_last: int = Field(2, ge=1)
     gates: GateConfig = GateConfig()
     threads: Optional[int] = Field(None, ge=1, description="torch threads of the trainer process (None: torch's "
                                    "default; tiny matrices on a shared CPU run fastest on 1)")
+    sandbox_allow_weak_isolation: StrictBool = Field(False, json_schema_extra=OPERATIONAL, description=(
+        "where bwrap is missing, run the sandboxed environments' model-written code anyway, with only limits, a "
+        "private uid and an empty environment (rl.sandbox); false: the stage refuses to start"))
 
     @field_validator("environments")
     @classmethod
@@ -130,6 +139,17 @@ class RLAgenticConfig(BaseModel):
                 raise ValueError(f"env_args.{name}: unknown arguments {bad}; "
                                  f"{name} takes {', '.join(p for p in params if p != 'self') or 'none'}")
         return v
+
+
+def require_sandbox(cfg: RLAgenticConfig) -> None:
+    """Refuse to start (rl.sandbox.SandboxError) when a sandboxed environment would run
+    model-written code without isolation, unless the config opts out by name."""
+    used = {e for e, w in cfg.environments.items() if w > 0}
+    if "delayed" in used:                  # a wrapper: its inner environment runs the tools
+        default = inspect.signature(ENVIRONMENTS["delayed"].__init__).parameters["inner"].default
+        used.add(cfg.env_args.get("delayed", {}).get("inner", default))
+    if used & SANDBOXED_ENVIRONMENTS:
+        require_isolation(cfg.sandbox_allow_weak_isolation, "rl_agentic.sandbox_allow_weak_isolation")
 
 
 # ---------------------------------------------------------------- prompts
@@ -228,6 +248,7 @@ def evaluate(engine: RolloutEngine, tokenizer, cfg: RLAgenticConfig, tasks: list
 
 # ---------------------------------------------------------------- the stage
 def run_rl_agentic(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
+    require_sandbox(cfg)
     tokenizer = load_tokenizer(inputs["tokenize"])
     model = load_state(artifact_weights(inputs["rl-reasoning"], "rl-reasoning"))
     for p in indexer_parameters(model):
@@ -309,8 +330,10 @@ def run_rl_agentic(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workd
             rec.update(step=state["step"], version=state["version"], groups=sorted(take),
                        reward=sum(rewards) / len(rewards),
                        tool_call_rate=sum(0 in s.loss_mask for s in trained) / len(trained), wait_s=idle, step_s=time.perf_counter() - t_prev,
-                       worker_restarts=pool.restarts if pool else 0, rerouted=pool.rerouted if pool else 0)
+                       worker_restarts=pool.restarts if pool else 0, rerouted=pool.rerouted if pool else 0,
+                       **reward_audit.step_metrics(trained))
             metrics.append(log_path, rec)
+            reward_audit.warn("rl-agentic", rec, cfg.recheck_alert)
             workdir.progress(state["step"], cfg.steps, f"rl-agentic reward {rec['reward']:.3f}")
             if state["step"] % cfg.checkpoint_every == 0 or state["step"] == cfg.steps:
                 state["inflight"] = sorted(pool.inflight()) if pool else []
@@ -326,7 +349,8 @@ def run_rl_agentic(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workd
     gated = gates.finish("rl-agentic", workdir.out, gates.read_chain(inputs.get("rl-reasoning")), "rl-reasoning",
                          state["gates_before"], gates.measure(model, tokenizer, cfg.gates.evals, seed),
                          cfg.gates.tolerances, gates.counts(cfg.gates.evals))
-    return {**publish(model, inputs, workdir.out, records, state["before"], after), "gates": gated}
+    return {**publish(model, inputs, workdir.out, records, state["before"], after), "gates": gated,
+            "reward_recheck": reward_audit.summary(records, cfg.recheck_alert)}
 
 
 def worker_config(cfg: RLAgenticConfig, inputs: dict[str, Path], seed: int) -> dict[str, Any]:

@@ -33,11 +33,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from data_processing.tokenizer import load_tokenizer
 from glmforge import shutdown
-from glmforge.stage import Workdir
+from glmforge.stage import OPERATIONAL, Workdir
 from model.hf import artifact_weights, load_state
 from model.model import GLMModel, indexer_parameters
 from posttrain import gates
@@ -46,8 +46,10 @@ from posttrain.gates import GateConfig
 from posttrain.qat import QATConfig
 from rl import arithmetic
 from rl.grpo import UpdateParams, assign_advantages, update
+from rl import reward_audit
 from rl.rewards import RewardWorker
 from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
+from rl.sandbox import require_isolation
 from rl.sample import Sample, Status, Task
 from rl.tasks import DOMAINS, gsm8k_tasks, load_pools
 from training import checkpoint, metrics
@@ -83,6 +85,12 @@ class RLReasoningConfig(BaseModel):
     rollout_batch: int = Field(256, ge=1, description="sequences per generate() call")
     # rewards
     reward_timeout_s: float = Field(10.0, gt=0)
+    recheck_per_step: int = Field(4, ge=0, description="rewarded samples re-checked per step by an independent "
+                                  "check (code: fresh inputs vs the reference; rl.reward_audit)")
+    recheck_alert: float = Field(0.25, gt=0, le=1, description="share of re-checks that disagree that raises an alert")
+    sandbox_allow_weak_isolation: StrictBool = Field(False, json_schema_extra=OPERATIONAL, description=(
+        "where bwrap is missing, run the code domain's model-written code anyway, with only limits, a private "
+        "uid and an empty environment (rl.sandbox); false: the stage refuses to start"))
     # prompt sources and evaluation
     gsm8k_path: str = "{samples}/gsm8k/train.jsonl"
     gsm8k_skip: int = Field(200, ge=0, description="GSM8K train lines SFT holds out (not RL prompts)")
@@ -107,6 +115,13 @@ class RLReasoningConfig(BaseModel):
         if any(w < 0 for w in v.values()) or not any(w > 0 for w in v.values()):
             raise ValueError("domain weights must be >= 0 with at least one > 0")
         return v
+
+
+def require_sandbox(cfg: RLReasoningConfig) -> None:
+    """Refuse to start (rl.sandbox.SandboxError) when the code domain would run model-written code
+    without isolation, unless the config opts out by name."""
+    if cfg.domains.get("code", 0) > 0:
+        require_isolation(cfg.sandbox_allow_weak_isolation, "rl_reasoning.sandbox_allow_weak_isolation")
 
 
 # ---------------------------------------------------------------- one step
@@ -147,6 +162,7 @@ def step_record(step: int, samples: list[Sample], stats: dict[str, float], flat:
         "response_length": sum(lengths) / len(lengths),
         "truncated_fraction": sum(s.status == Status.TRUNCATED for s in samples) / len(samples),
         "reward_failures": dict(failures),
+        **reward_audit.step_metrics(samples),
         **{k: v for k, v in stats.items()},
         **{f"time/{k}": v for k, v in seconds.items()},
     }
@@ -199,6 +215,7 @@ def load_checkpoint(root: Path, model: GLMModel, opt: torch.optim.Optimizer, gen
 
 # ---------------------------------------------------------------- the stage
 def run_rl_reasoning(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
+    require_sandbox(cfg)
     tokenizer = load_tokenizer(inputs["tokenize"])
     model = load_state(artifact_weights(inputs["sft"], "sft"))
     if model.config.vocab_size < tokenizer.get_vocab_size():
@@ -249,6 +266,7 @@ def run_rl_reasoning(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: W
                 engine.generate(samples, sampling, gen)
                 t1 = time.perf_counter()
                 failures = score(worker, samples, cfg.reward_timeout_s)
+                reward_audit.recheck_rewarded(worker, samples, cfg.recheck_per_step, seed, step, cfg.reward_timeout_s)
                 t2 = time.perf_counter()
                 flat = assign_advantages(samples, cfg.std_normalize)
                 stats = update(model, opt, samples, pad_id, params, gen)
@@ -256,6 +274,7 @@ def run_rl_reasoning(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: W
                 rec = step_record(step, samples, stats, flat, failures,
                                   {"generate": t1 - t0, "reward": t2 - t1, "train": t3 - t2})
                 metrics.append(log_path, rec)
+                reward_audit.warn("rl-reasoning", rec, cfg.recheck_alert)
                 workdir.progress(step, cfg.steps, f"rl-reasoning reward {rec['reward']:.3f}")
                 stop = stop_requested() and step < cfg.steps
                 if step % cfg.checkpoint_every == 0 or step == cfg.steps or stop:
@@ -295,6 +314,7 @@ def publish(cfg: RLReasoningConfig, model: GLMModel, inputs: dict[str, Path], ou
         "entropy": metrics.first_last(records, "entropy"),
         "response_length": metrics.first_last(records, "response_length"),
         "reward_failures": dict(failures),
+        "reward_recheck": reward_audit.summary(records, cfg.recheck_alert),
         "seconds_per_step": {k: sum(r[f"time/{k}"] for r in records) / len(records)
                              for k in ("generate", "reward", "train")},
         "rollout_int4": cfg.rollout_int4 is not None,

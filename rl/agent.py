@@ -138,10 +138,15 @@ def run_group(engine: RolloutEngine, tokenizer, make_env: Callable[[], Env], tas
 
 def _finish(e: _Episode, answer: str) -> None:
     outcome = e.env.final_reward(answer)
+    check = None
+    if outcome.status == "ok" and outcome.score >= 1.0 and hasattr(e.env, "recheck"):
+        r = e.env.recheck()              # the reward-hacking signal (rl.reward_audit), never a reward
+        check = r.score if r.status == "ok" else None
     for s in (*e.forks, e.sample):
         s.text = answer
         s.reward = float(outcome.score)
         s.reward_reason = outcome.reason
+        s.reward_recheck = check
         if outcome.status != "ok":
             s.status = Status.REWARD_ERROR
     e.done = True

@@ -12,11 +12,19 @@ Domains:
     math        GSM8K style: the answer after the last "####", else in the last \\boxed{}, else
                 the last number (reason "no marked answer"), compared numerically (commas, $ and
                 % stripped, 1e-6 relative) or, when not a number, symbolically with sympy;
-    code        MBPP: the first ```python block (else any ``` block, else the whole text) runs
-                with meta["setup"] and the asserts of meta["tests"] in rl.sandbox; 1.0 iff all pass;
+    code        MBPP: the first ```python block (else any ``` block, else the whole text) runs in
+                rl.sandbox with meta["setup"]; it hands back the value of each test's call and the
+                trusted side compares it with the assert's expected value (rl.verify); 1.0 iff
+                every test passes;
     tool        posttrain.chat_template tool calls (calculator, search_docs of posttrain.sft_data)
                 are executed for real; the transcript's tool responses, where present, must be
                 what the tool returns; the final message's answer is compared as in math.
+Re-checks (RECHECKS, @register_recheck): an independent check of a rewarded sample, never a
+reward: score 1.0 when it agrees, 0.0 when it does not, status "skipped" when it cannot tell.
+`code` re-runs the response and meta["reference"] on fresh inputs (rl.verify.recheck). The RL
+stages report the share of re-checked rewarded samples that disagree
+(reward_recheck_disagreement): a rising share means the policy found a hole in the reward.
+
 Text after the last </think> is the answer (an unterminated <think> has none); stop tokens
 are ignored.
 """
@@ -28,20 +36,22 @@ import json
 import math
 import os
 import re
-import secrets
 import subprocess
 import sys
 import time
 import traceback
+import zlib
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Callable, Sequence
 
 from rl.sample import Task
-from rl.sandbox import SandboxLimits, run_python
+from rl.sandbox import SandboxLimits
+from rl.verify import CallCheck, Recheck, UnverifiableTest, checks_from_asserts, judge, recheck, run_calls
 
 
-__all__ = ["Task", "RewardOutcome", "REWARDS", "register_reward", "score_sample", "RewardWorker",
+__all__ = ["Task", "RewardOutcome", "REWARDS", "RECHECKS", "register_reward", "register_recheck", "score_sample",
+           "recheck_sample", "recheck_outcome", "RewardWorker",
            "TOOLS", "run_tool", "extract_math_answer", "equivalent", "extract_code"]
 
 
@@ -53,28 +63,53 @@ class RewardOutcome:
 
 
 REWARDS: dict[str, Callable[[str, Task], RewardOutcome]] = {}
+RECHECKS: dict[str, Callable[[str, Task], RewardOutcome]] = {}
 
 
-def register_reward(name: str):
-    """Decorator: the function becomes REWARDS[name] (the Task.domain it scores)."""
+def _registrar(table: dict, kind: str, name: str):
     def deco(fn):
-        if name in REWARDS and REWARDS[name] is not fn:
-            raise ValueError(f"reward {name!r} is already registered ({REWARDS[name].__module__})")
-        REWARDS[name] = fn
+        if name in table and table[name] is not fn:
+            raise ValueError(f"{kind} {name!r} is already registered ({table[name].__module__})")
+        table[name] = fn
         return fn
     return deco
 
 
+def register_reward(name: str):
+    """Decorator: the function becomes REWARDS[name] (the Task.domain it scores)."""
+    return _registrar(REWARDS, "reward", name)
+
+
+def register_recheck(name: str):
+    """Decorator: the function becomes RECHECKS[name], the re-check of rewarded samples of that domain."""
+    return _registrar(RECHECKS, "recheck", name)
+
+
+def recheck_outcome(r: Recheck) -> RewardOutcome:
+    if r.agrees is None:
+        return RewardOutcome(0.0, "skipped", r.reason)
+    return RewardOutcome(float(r.agrees), "ok", r.reason)
+
+
 def score_sample(text: str, task: Task) -> RewardOutcome:
     """One sample in this process (no timeout): what the worker runs for each sample."""
-    fn = REWARDS.get(task.domain)
+    return _apply(REWARDS, "reward", text, task)
+
+
+def recheck_sample(text: str, task: Task) -> RewardOutcome:
+    """The re-check of one rewarded sample in this process."""
+    return _apply(RECHECKS, "recheck", text, task)
+
+
+def _apply(table: dict, kind: str, text: str, task: Task) -> RewardOutcome:
+    fn = table.get(task.domain)
     if fn is None:
-        return RewardOutcome(0.0, "error", f"no reward registered for domain {task.domain!r} "
-                                           f"(have {sorted(REWARDS)})")
+        return RewardOutcome(0.0, "error", f"no {kind} registered for domain {task.domain!r} "
+                                           f"(have {sorted(table)})")
     try:
         out = fn(text, task)
         if not isinstance(out, RewardOutcome) or not 0.0 <= out.score <= 1.0:
-            raise ValueError(f"reward {task.domain!r} must return a RewardOutcome with score in [0, 1], got {out!r}")
+            raise ValueError(f"{kind} {task.domain!r} must return a RewardOutcome with score in [0, 1], got {out!r}")
         return out
     except Exception as e:  # the reward's own failure is the sample's outcome, not the worker's
         return RewardOutcome(0.0, "error", f"{type(e).__name__}: {e}"[:500])
@@ -230,68 +265,51 @@ def extract_code(text: str) -> str:
     return blocks[0][1] if blocks else text
 
 
-# Runs in the sandbox. The nonce arrives on stdin and lives only in a local variable, so the
-# solution cannot fake a passing report by printing or exiting early; its own output goes to
-# /dev/null so it cannot push the report past the output limit.
-_HARNESS = r'''
-import json, os, sys
-def _run():
-    nonce = sys.stdin.readline().strip()
-    report = os.fdopen(os.dup(1), "w")
-    null = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 1)
-    spec = json.load(open("tests.json"))
-    g = {"__name__": "solution"}
-    def step(stage, src, name, index=None):
-        try:
-            exec(compile(src, name, "exec"), g)
-            return True
-        except BaseException as e:
-            report.write(nonce + " " + json.dumps({"stage": stage, "index": index,
-                         "error": (type(e).__name__ + ": " + str(e))[:300]}) + "\n")
-            report.flush()
-            return False
-    if not step("solution", open("solution.py").read(), "solution.py"):
-        return
-    if spec["setup"] and not step("setup", spec["setup"], "setup"):
-        return
-    for i, t in enumerate(spec["tests"]):
-        if not step("test", t, "test_%d" % i, i):
-            return
-    report.write(nonce + " " + json.dumps({"stage": "done"}) + "\n")
-    report.flush()
-_run()
-'''
-
-
-@register_reward("code")
-def code_reward(text: str, task: Task) -> RewardOutcome:
+def code_checks(task: Task) -> tuple[list[CallCheck], str]:
+    """The task's asserts as sandboxed calls with trusted checks, and its setup code."""
     tests, setup = task.meta.get("tests"), task.meta.get("setup", "") or ""
     where = f"code task {task.meta.get('task_id', '?')}"
     if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
         raise ValueError(f"{where}: meta['tests'] must be a non-empty list of assert strings, got {tests!r}")
     if not isinstance(setup, str):
         raise ValueError(f"{where}: meta['setup'] must be a str, got {type(setup).__name__}")
-    limits = SandboxLimits(wall_s=float(task.meta.get("timeout_s", 5.0)), cpu_s=int(task.meta.get("cpu_s", 5)),
-                           memory_mb=int(task.meta.get("memory_mb", 512)))
-    nonce = secrets.token_hex(16)
-    r = run_python(_HARNESS, limits, files={"solution.py": extract_code(final_text(text)),
-                                            "tests.json": json.dumps({"setup": setup, "tests": tests})},
-                   stdin=nonce + "\n")
-    if r.status == "timeout":
-        return RewardOutcome(0.0, "ok", f"sandbox timeout after {limits.wall_s:g}s")
-    if r.status in ("memory", "killed"):
-        return RewardOutcome(0.0, "ok", f"sandbox {r.status} (returncode {r.returncode})")
-    lines = [ln[len(nonce) + 1:] for ln in r.stdout.splitlines() if ln.startswith(nonce + " ")]
-    if not lines:
-        return RewardOutcome(0.0, "ok", f"no test report (sandbox {r.status}, returncode {r.returncode}): "
-                                        f"{r.stderr.strip()[-200:]}")
-    rep = json.loads(lines[-1])
-    if rep["stage"] == "done" and r.status == "ok":
-        return RewardOutcome(1.0, "ok", f"all {len(tests)} tests passed")
-    if rep["stage"] == "test":
-        return RewardOutcome(0.0, "ok", f"test failed: {tests[rep['index']][:200]} ({rep['error'][:150]})")
-    return RewardOutcome(0.0, "ok", f"{rep['stage']} raised: {rep.get('error', '')[:200]}")
+    try:
+        return checks_from_asserts(tests), setup
+    except UnverifiableTest as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def _code_limits(task: Task) -> SandboxLimits:
+    return SandboxLimits(wall_s=float(task.meta.get("timeout_s", 5.0)), cpu_s=int(task.meta.get("cpu_s", 5)),
+                         memory_mb=int(task.meta.get("memory_mb", 512)))
+
+
+@register_reward("code")
+def code_reward(text: str, task: Task) -> RewardOutcome:
+    """The solution runs in rl.sandbox and hands back each test call's value; the comparison with
+    the expected value is made here (rl.verify), so nothing the code does can pass a test for it."""
+    checks, setup = code_checks(task)
+    limits = _code_limits(task)
+    run = run_calls([c.call for c in checks], code=extract_code(final_text(text)), setup=setup, limits=limits)
+    verdicts = judge(checks, run)
+    failed = [(c, why) for c, (ok, why) in zip(checks, verdicts) if not ok]
+    if not failed:
+        return RewardOutcome(1.0, "ok", f"all {len(checks)} tests passed")
+    check, why = failed[0]
+    return RewardOutcome(0.0, "ok", f"{len(failed)} of {len(checks)} tests failed: {check.source[:150]} ({why[:150]})")
+
+
+@register_recheck("code")
+def code_recheck(text: str, task: Task) -> RewardOutcome:
+    """Fresh inputs: the task's reference solution (meta['reference']) and the response must agree."""
+    reference = task.meta.get("reference")
+    if not isinstance(reference, str) or not reference.strip():
+        return RewardOutcome(0.0, "skipped", "the task has no reference solution")
+    checks, setup = code_checks(task)
+    seed = zlib.crc32(f"{task.meta.get('task_id')}:{text}".encode())
+    r = recheck(checks, {"code": reference, "setup": setup}, {"code": extract_code(final_text(text)), "setup": setup},
+                seed=seed, limits=_code_limits(task))
+    return recheck_outcome(r)
 
 
 # ---------------------------------------------------------------- tool
@@ -381,8 +399,10 @@ def _serve(read_fd: int, write_fd: int, imports: list[str]) -> None:
             return
         if batch is None:
             return
-        for i, text, (domain, prompt, answer, meta) in batch:
-            out = score_sample(text, Task(domain, prompt, answer, meta))
+        kind, items = batch
+        apply = recheck_sample if kind == "recheck" else score_sample
+        for i, text, (domain, prompt, answer, meta) in items:
+            out = apply(text, Task(domain, prompt, answer, meta))
             tx.send((i, out.score, out.status, out.reason))
 
 
@@ -437,6 +457,13 @@ class RewardWorker:
         self._proc = None
 
     def score(self, samples: Sequence[tuple[str, Task]], timeout_s: float) -> list[RewardOutcome]:
+        return self._run("score", samples, timeout_s)
+
+    def recheck(self, samples: Sequence[tuple[str, Task]], timeout_s: float) -> list[RewardOutcome]:
+        """RECHECKS on rewarded samples, with the same per-sample deadline as score()."""
+        return self._run("recheck", samples, timeout_s)
+
+    def _run(self, kind: str, samples: Sequence[tuple[str, Task]], timeout_s: float) -> list[RewardOutcome]:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         payload = []
@@ -449,7 +476,7 @@ class RewardWorker:
             if self._proc is None:
                 self._start()
                 self.restarts += 1
-            self._tx.send(payload)
+            self._tx.send((kind, payload))
             since = time.monotonic()
             for k, (i, _, _) in enumerate(payload):
                 if not self._rx.poll(max(0.0, since + timeout_s - time.monotonic())):

@@ -41,6 +41,7 @@ class Sample:
     reward: float = 0.0
     rewards: dict[str, float] = field(default_factory=dict)       # per component (hybrid rewards)
     reward_reason: str = ""
+    reward_recheck: float | None = None          # independent re-check of a reward: 1 agrees, 0 not (rl.reward_audit)
     advantage: float = 0.0
     train_logprobs: list[float] | None = None    # pi_train(theta_old), recomputed by the trainer
     text: str = ""                               # decoded response, for rewards and logs only

@@ -1,50 +1,87 @@
 """Run model-written code with no network, no secrets, bounded resources and no way to write
-outside its own temporary folder.
+outside its own working folder.
 
-Layers (each is reported by isolation(); a missing one is reported, not faked):
-    process   a fresh session/process group, an empty environment (PATH, LANG, HOME and TMPDIR
-              only), `python -I` for Python code, a temporary working folder removed afterwards;
-    limits    RLIMIT_CPU, _AS (memory), _FSIZE, _NOFILE, _NPROC and _CORE=0 in the child;
-    wall      the parent kills the whole process group with SIGKILL at the wall-clock limit (no
-              signal-based timeouts in the parent, so any thread may call run_*);
-    netns     `unshare --net` (util-linux): the child's network namespace has only a loopback
-              that is down, so every connect fails, 127.0.0.1 included;
-    pidns     `unshare --pid --fork --mount-proc`: the sandbox sees only its own processes and
-              everything in it dies with its first process (rl/_sandbox_init.py);
-    uid       a fresh non-root uid per run (UID_BASE + random) so RLIMIT_NPROC, which root
-              ignores, bounds fork bombs per run rather than per shared user;
-    readonly  in a private mount namespace every mount is remounted read-only and nosuid, home
-              directories are hidden under empty tmpfs, and only the working folder is writable.
-We run as root on the training machines; unshare works there and bubblewrap is not installed,
-so this uses unshare plus a small stdlib init process instead of bwrap.
+bubblewrap (`bwrap`, Debian's bubblewrap package) builds the sandbox of each run:
+    namespaces  new user, network, pid, mount, ipc, uts and cgroup namespaces, and no further user
+                namespace inside (--disable-userns). The network namespace holds only its own
+                loopback, so no socket reaches the host: TCP, UDP, abstract unix sockets and
+                netlink all live per network namespace;
+    sockets     a seccomp filter (--seccomp) refuses every socket family but unix, inet, inet6 and
+                netlink: others, AF_VSOCK to a VM's host above all, are not per network namespace.
+                io_uring, which can make sockets past that filter, is refused too, and so is any
+                syscall of another ABI (i386, x32);
+    filesystem  a new root holding only /usr read-only, /bin, /lib*, /sbin as the host has them
+                (merged-/usr links), the few /etc entries programs read (ETC), a fresh /proc and a
+                minimal read-only /dev. The working folder, at WORKDIR, is the one writable place.
+                The host's /tmp, /run, /dev/shm, home folders, /work, the repo, the artifact store
+                and the virtualenv are absent, so no unix socket of the host can even be named;
+    uid         a fresh non-root uid per run (UID_BASE + random) when we are root: bwrap itself
+                runs as that uid and needs no privilege. RLIMIT_NPROC counts a uid's processes
+                and root ignores it, so only a private uid bounds a fork bomb per run;
+    limits      RLIMIT_CPU, _AS (memory), _FSIZE, _NOFILE, _NPROC and _CORE=0, set by prlimit
+                (util-linux) before bwrap starts and inherited by everything in the sandbox;
+    process     an empty environment (PATH, LANG, HOME and TMPDIR = the working folder), a new
+                session (--new-session: no TIOCSTI into the caller's terminal), `python -I` of the
+                system /usr/bin/python3;
+    lifetime    the parent kills bwrap at the wall-clock limit (no signal-based timeouts in the
+                parent, so any thread may call run_*); bwrap's pid 1 dies with it
+                (--die-with-parent), and the kernel ends every process of a pid namespace before
+                its pid 1 exits, so run_* returns once that pid 1 is gone: nothing outlives it.
+bwrap reports the program's exit code over --json-status-fd, so a sandbox that could not be set
+up is an error (SandboxError) rather than a "failed" sample.
 
-A wrapper process (rl/_sandbox_init.py) applies the mounts, limits and uid inside the
-namespaces and reports the target's exit status over a pipe, so a setup failure is an error
-(SandboxError) rather than a "failed" sample.
+Without a working bwrap, run_* raise SandboxError unless weak isolation was allowed
+(require_isolation(allow_weak=True), which the RL stages call with their
+sandbox_allow_weak_isolation setting): the code then runs with the same limits, private uid and
+environment (the uid when we are root), but sees the host's files and network, and only the uid
+bounds what it leaves running.
 """
 from __future__ import annotations
 
 import functools
+import glob
 import json
+import logging
 import os
+import platform
 import secrets
+import select
 import selectors
 import shutil
 import signal
-import stat
+import struct
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("glmforge")
 
 OUTPUT_LIMIT = 64 * 1024              # bytes kept of stdout and of stderr each
 UID_BASE, UID_RANGE = 1_700_000_000, 10_000_000   # far above any real user or container id map
-HIDE = ("/root", "/home", "/run/secrets", "/var/run/secrets")
 CHILD_PATH = "/usr/bin:/bin"
-_INIT = Path(__file__).with_name("_sandbox_init.py")
-_PROBE = ("--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc")
+TOOL_PATH = "/usr/bin:/bin:/usr/sbin:/sbin"     # bwrap and prlimit: never a venv's or ~/bin's
+SYSTEM_PYTHON = "/usr/bin/python3"
+WORKDIR = "/sandbox"                  # the working folder, as the sandboxed program sees it
+# /etc entries programs read: the dynamic linker's cache, Debian's alternatives (awk, ...) and
+# Python's sitecustomize (/usr/lib/python3.X/sitecustomize.py links into /etc/python3.X).
+ETC = ("/etc/ld.so.cache", "/etc/alternatives", "/etc/python3*")
+BWRAP_PROCESSES = 2                   # bwrap's own two processes count against RLIMIT_NPROC too
+ALLOW_WEAK_ENV = "GLMFORGE_SANDBOX_ALLOW_WEAK_ISOLATION"   # set by require_isolation; workers inherit it
+_REMEDY = ("install Debian's bubblewrap (apt-get install bubblewrap; `make setup` does as root), or set {setting}: "
+           "true to run model-written code without isolation (limits, a private uid and an empty environment only)")
+
+
+# seccomp's view of a syscall (struct seccomp_data) and the classic-BPF words that filter it
+_NR, _ARCH, _ARG0 = 0, 4, 16          # offsets: syscall number, audit arch, low half of args[0]
+_LD_W_ABS, _JEQ, _JGE, _RET = 0x20, 0x15, 0x35, 0x06
+_ALLOW, _KILL_PROCESS, _ERRNO = 0x7FFF0000, 0x80000000, 0x00050000
+_EAFNOSUPPORT, _ENOSYS = 97, 38
+_SOCKET_FAMILIES = (1, 2, 10, 16)     # AF_UNIX, AF_INET, AF_INET6, AF_NETLINK
+# machine -> (audit arch, socket, socketpair, io_uring_setup)
+_SYSCALLS = {"x86_64": (0xC000003E, 41, 53, 425), "aarch64": (0xC00000B7, 198, 199, 425)}
 
 
 class SandboxError(RuntimeError):
@@ -69,50 +106,149 @@ class SandboxLimits:
 @dataclass
 class SandboxResult:
     status: str          # "ok" (exit 0) | "failed" (nonzero exit) | "timeout" | "memory" | "killed"
-    returncode: int | None   # exit code, -signal when killed by a signal, None on wall timeout
+    returncode: int | None   # exit code, -signal when killed by a signal, None on wall timeout. bwrap
+    # reports a death by signal n as exit code 128 + n, as shells do: such an exit reads as signal n.
     stdout: str
     stderr: str
     wall_s: float
 
 
-def _world_runnable(path: str) -> bool:
-    """Can a uid with no rights of its own run `path` (o+x on every folder, o+rx on the file)?"""
-    p = Path(path)
-    if not p.is_file():
-        return False
-    if (p.stat().st_mode & (stat.S_IROTH | stat.S_IXOTH)) != (stat.S_IROTH | stat.S_IXOTH):
-        return False
-    return all(q.stat().st_mode & stat.S_IXOTH for q in p.parents)
+@dataclass(frozen=True)
+class _Host:
+    root: bool
+    bwrap: str
+    prlimit: str
+    python: str
 
 
 @functools.lru_cache(maxsize=1)
-def isolation() -> dict[str, str | bool]:
-    """Which isolation primitives this machine has, and which the sandbox uses."""
-    root = os.geteuid() == 0
-    unshare = shutil.which("unshare", path="/usr/bin:/bin:/usr/sbin:/sbin")
-    namespaces = False
-    if unshare and root:
+def _host() -> _Host:
+    return _Host(root=os.geteuid() == 0, bwrap=shutil.which("bwrap", path=TOOL_PATH) or "",
+                 prlimit=shutil.which("prlimit", path=TOOL_PATH) or "",
+                 python=SYSTEM_PYTHON if os.access(SYSTEM_PYTHON, os.X_OK) else "")
+
+
+@functools.lru_cache(maxsize=1)
+def _root() -> tuple[str, ...]:
+    """bwrap arguments of the read-only root: /usr, the host's /bin, /lib*, /sbin (links on a
+    merged-/usr system, folders otherwise) and the ETC entries that exist."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for p in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(p):
+            args += ["--symlink", os.readlink(p), p]
+        elif os.path.isdir(p):
+            args += ["--ro-bind", p, p]
+    for pattern in ETC:
+        for p in sorted(glob.glob(pattern)):
+            args += ["--ro-bind", p, p]
+    return tuple(args)
+
+
+@functools.lru_cache(maxsize=1)
+def _socket_filter() -> bytes:
+    """The seccomp program (struct sock_filter[]) of the sockets layer in the module doc; b"" on
+    a machine whose syscall numbers are not in _SYSCALLS."""
+    if platform.machine() not in _SYSCALLS:
+        return b""
+    arch, socket_nr, socketpair_nr, io_uring_nr = _SYSCALLS[platform.machine()]
+    n = len(_SOCKET_FAMILIES)
+
+    def op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
+        return struct.pack("<HBBI", code, jt, jf, k)
+
+    return b"".join([
+        op(_LD_W_ABS, _ARCH), op(_JEQ, arch, 1, 0), op(_RET, _KILL_PROCESS),
+        op(_LD_W_ABS, _NR), op(_JGE, 0x40000000, 0, 1), op(_RET, _KILL_PROCESS),        # x32
+        op(_JEQ, io_uring_nr, 0, 1), op(_RET, _ERRNO | _ENOSYS),
+        op(_JEQ, socket_nr, 1, 0), op(_JEQ, socketpair_nr, 0, n + 2),
+        op(_LD_W_ABS, _ARG0),
+        *(op(_JEQ, family, n - i, 0) for i, family in enumerate(_SOCKET_FAMILIES)),
+        op(_RET, _ERRNO | _EAFNOSUPPORT),
+        op(_RET, _ALLOW)])
+
+
+def _bwrap_argv(bwrap: str, workdir: Path, env: dict[str, str], status_fd: int, seccomp_fd: int | None) -> list[str]:
+    setenv = [a for k, v in env.items() for a in ("--setenv", k, v)]
+    seccomp = [] if seccomp_fd is None else ["--seccomp", str(seccomp_fd)]
+    return [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
+            "--hostname", "sandbox", "--clearenv", *setenv, *_root(), "--proc", "/proc", "--dev", "/dev",
+            "--remount-ro", "/dev", "--bind", str(workdir), WORKDIR, "--chdir", WORKDIR, "--remount-ro", "/",
+            *seccomp, "--json-status-fd", str(status_fd), "--",
+            # bwrap sets PWD after --clearenv; env drops it so the environment is exactly `env`
+            "/usr/bin/env", "-u", "PWD", "--"]
+
+
+def _probe(host: _Host) -> str:
+    """Why bwrap isolation does not work here ("" when it does): a real sandboxed run of true."""
+    if not host.bwrap:
+        return f"bwrap not found on {TOOL_PATH}"
+    if not host.prlimit:
+        return f"prlimit (util-linux) not found on {TOOL_PATH}"
+    try:
+        r = _run(["/usr/bin/true"], SandboxLimits(wall_s=30), None, "", weak=False)
+    except (SandboxError, OSError) as e:
+        return f"bwrap does not work here: {e}"
+    return "" if r.status == "ok" else f"bwrap does not work here: a sandboxed `true` ended {r.status}"
+
+
+@functools.lru_cache(maxsize=1)
+def isolation() -> dict[str, Any]:
+    """What the sandbox enforces on this machine (probed once per process)."""
+    host = _host()
+    problem = _probe(host)
+    ok = not problem
+    version = ""
+    if host.bwrap:
         try:
-            namespaces = subprocess.run([unshare, *_PROBE, "true"], capture_output=True, timeout=20,
-                                        env={"PATH": CHILD_PATH}).returncode == 0
+            version = subprocess.run([host.bwrap, "--version"], capture_output=True, text=True, timeout=20,
+                                     env={"PATH": CHILD_PATH}).stdout.strip().rpartition(" ")[2]
         except (OSError, subprocess.TimeoutExpired):
             pass
-    host_python = os.path.realpath(sys.executable)
-    candidates = ["/usr/bin/python3", host_python] if root else [host_python]
-    python = next((c for c in candidates if _world_runnable(c) or not root), "")
+    root = _root()
+    visible = [root[i + 2] for i in range(len(root)) if root[i] in ("--ro-bind", "--symlink")]
     return {
-        "root": root,
-        "unshare": unshare or "",
-        "bwrap": shutil.which("bwrap") or "",     # available but not used (see module doc)
-        "network_namespace": namespaces,
-        "pid_namespace": namespaces,
-        "readonly_filesystem": namespaces,
-        "private_uid": root,
-        "nproc_limit": "per-run uid" if root else "shared with the user's processes",
-        "rlimits": True,
+        "tool": "bwrap" if ok else "none",
+        "bwrap": host.bwrap,
+        "bwrap_version": version,
+        "problem": problem,                       # why there is no isolation; "" when bwrap works
+        "network_namespace": ok,
+        "pid_namespace": ok,
+        "mount_namespace": ok,
+        "readonly_filesystem": ok,                # only the working folder is writable
+        "host_paths_visible": visible if ok else ["/ (everything the uid may read)"],
+        "socket_families": ("unix, inet, inet6, netlink" if _socket_filter() else
+                            f"all (no seccomp filter for {platform.machine()})") if ok else "all",
+        "private_uid": host.root,
+        "nproc_limit": "per-run uid" if host.root else "none (not root: no private uid to count)",
+        "rlimits": bool(host.prlimit),
         "empty_environment": True,
-        "python": python,
+        "python": host.python,
     }
+
+
+def require_isolation(allow_weak: bool, setting: str = "sandbox_allow_weak_isolation") -> dict[str, Any]:
+    """isolation() when bwrap works here. Otherwise SandboxError naming what is missing and the
+    config `setting` that opts out, unless allow_weak: then this process, and the reward and
+    rollout workers it starts after this call (they inherit the environment), run model-written
+    code with weak isolation."""
+    iso = isolation()
+    if iso["tool"] == "bwrap":
+        return iso
+    if not allow_weak:
+        raise SandboxError(f"{iso['problem']}: {_REMEDY.format(setting=setting)}")
+    log.warning("sandbox: %s; %s is set: model-written code runs WITHOUT isolation", iso["problem"], setting)
+    os.environ[ALLOW_WEAK_ENV] = "1"
+    return iso
+
+
+def _weak() -> bool:
+    """Run without bwrap? Only when it does not work here and weak isolation was allowed."""
+    iso = isolation()
+    if iso["tool"] == "bwrap":
+        return False
+    if os.environ.get(ALLOW_WEAK_ENV) == "1":
+        return True
+    raise SandboxError(f"{iso['problem']}: {_REMEDY.format(setting='the RL stage sandbox_allow_weak_isolation')}")
 
 
 def _write_files(workdir: Path, files: dict[str, str] | None, uid: int | None) -> None:
@@ -129,6 +265,14 @@ def _write_files(workdir: Path, files: dict[str, str] | None, uid: int | None) -
         for dirpath, dirnames, filenames in os.walk(workdir):
             for n in [dirpath, *(os.path.join(dirpath, x) for x in dirnames + filenames)]:
                 os.chown(n, uid, uid)
+        os.chmod(workdir, 0o700)
+
+
+def _prlimit_argv(prlimit: str, limits: SandboxLimits, nproc: int | None) -> list[str]:
+    mb = 1024 * 1024
+    argv = [prlimit, "--core=0", f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}",    # soft: SIGXCPU, hard: SIGKILL
+            f"--as={limits.memory_mb * mb}", f"--fsize={limits.file_size_mb * mb}", f"--nofile={limits.open_files}"]
+    return argv + ([f"--nproc={nproc}"] if nproc is not None else []) + ["--"]
 
 
 def _kill_group(pgid: int) -> None:
@@ -138,19 +282,43 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
+def _await_sandbox_end(pid: int, pid_namespace: int, timeout_s: float = 5.0) -> None:
+    """Wait until the sandbox's pid 1 (bwrap's init) has exited: the kernel kills and reaps every
+    other process of a pid namespace before its pid 1 exits. It dies with bwrap; SIGKILL if not.
+    The pidfd holds the process; its pid namespace, which bwrap reported, proves it is ours."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        try:
+            if os.readlink(f"/proc/{pid}/ns/pid") != f"pid:[{pid_namespace}]":
+                return                    # gone, and its pid taken by another process since
+        except OSError:
+            return                        # gone (or, not root, not ours to inspect)
+        poll = select.poll()
+        poll.register(fd, select.POLLIN)
+        if not poll.poll(1000):
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+            poll.poll(timeout_s * 1000)
+    finally:
+        os.close(fd)
+
+
 def _kill_uid(uid: int, timeout_s: float = 5.0) -> None:
-    """SIGKILL every process of the run's private uid and wait until none is left. After a
-    wall-clock kill the pid namespace is torn down asynchronously; this makes the end of
-    run_* the end of the run's processes."""
+    """SIGKILL every process of the run's private uid and wait until none is left but zombies
+    (whoever adopted them reaps them in its own time): without a pid namespace (weak isolation)
+    this is what ends a process that left the process group."""
     end = time.monotonic() + timeout_s
     while True:
         left = []
         for name in os.listdir("/proc"):
             if name.isdigit():
                 try:
-                    if os.stat(f"/proc/{name}").st_uid == uid:
+                    if os.stat(f"/proc/{name}").st_uid == uid and \
+                            Path(f"/proc/{name}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
                         left.append(int(name))
-                except FileNotFoundError:
+                except (FileNotFoundError, ProcessLookupError, IndexError):
                     continue
         if not left or time.monotonic() > end:
             return
@@ -167,38 +335,65 @@ def _decode(buf: bytearray, dropped: int) -> str:
     return text + (f"\n[... {dropped} more bytes truncated]" if dropped else "")
 
 
+def _bwrap_status(raw: bytes) -> dict[str, int]:
+    """bwrap's --json-status-fd, one JSON object a line, merged: "child-pid" (our pid of the
+    sandbox's pid 1), "pid-namespace", and "exit-code", written only once the program started."""
+    status: dict[str, int] = {}
+    for line in raw.decode(errors="replace").splitlines():
+        try:
+            status.update(json.loads(line))
+        except (ValueError, TypeError):
+            continue
+    return status
+
+
 def run_command(argv: list[str], limits: SandboxLimits = SandboxLimits(), files: dict[str, str] | None = None,
                 stdin: str = "") -> SandboxResult:
-    """Run argv[0] (an absolute path, or a name found on /usr/bin:/bin) in the sandbox, in a fresh
-    temporary folder holding `files` (relative name -> text)."""
+    """Run argv[0] (an absolute path under /usr or /bin, or a name found on /usr/bin:/bin) in the
+    sandbox, in a fresh working folder holding `files` (relative name -> text)."""
     if not argv or not all(isinstance(a, str) for a in argv):
         raise ValueError(f"argv must be a non-empty list of str, got {argv!r}")
     exe = argv[0] if os.path.isabs(argv[0]) else shutil.which(argv[0], path=CHILD_PATH)
     if not exe:
         raise ValueError(f"{argv[0]!r} is not on the sandbox PATH {CHILD_PATH}")
-    iso = isolation()
-    ns = bool(iso["network_namespace"])
-    uid = UID_BASE + secrets.randbelow(UID_RANGE) if iso["private_uid"] else None
+    if not os.path.realpath(exe).startswith(("/usr/", "/bin/", "/sbin/")):
+        raise ValueError(f"{exe} is outside /usr, /bin and /sbin: the sandbox sees only the system's programs")
+    return _run([exe, *argv[1:]], limits, files, stdin, _weak())
+
+
+def _run(argv: list[str], limits: SandboxLimits, files: dict[str, str] | None, stdin: str,
+         weak: bool) -> SandboxResult:
+    host = _host()
+    if not host.prlimit:
+        raise SandboxError(f"prlimit (util-linux) not found on {TOOL_PATH}: the sandbox cannot set its limits")
+    uid = UID_BASE + secrets.randbelow(UID_RANGE) if host.root else None
+    nproc = None if uid is None else limits.max_processes + (0 if weak else BWRAP_PROCESSES)
     workdir = Path(tempfile.mkdtemp(prefix="glmforge-sandbox-"))
-    status_r, status_w = os.pipe()
-    proc, status = None, ""
+    status_r, status_w = os.pipe()        # bwrap's --json-status-fd
+    seccomp_r = None                      # bwrap reads the filter from a pipe to its end
+    if not weak and _socket_filter():
+        seccomp_r, seccomp_w = os.pipe()
+        os.write(seccomp_w, _socket_filter())
+        os.close(seccomp_w)
+    proc, status = None, b""
     try:
         _write_files(workdir, files, uid)
-        if uid is not None:
-            os.chown(workdir, uid, uid)
-            os.chmod(workdir, 0o700)
-        cfg = {"status_fd": status_w, "readonly": ns, "pid_namespace": ns, "workdir": str(workdir),
-               "hide": [h for h in HIDE if not exe.startswith(h + "/")], "uid": uid, "gid": uid,
-               "limits": asdict(limits), "wall_s": limits.wall_s, "argv": [exe, *argv[1:]],
-               "env": {"PATH": CHILD_PATH, "LANG": "C.UTF-8", "HOME": str(workdir), "TMPDIR": str(workdir)}}
-        init = [os.path.realpath(sys.executable), "-I", "-S", str(_INIT), json.dumps(cfg)]
-        cmd = [iso["unshare"], *_PROBE, "--", *init] if ns else init
+        home = str(workdir) if weak else WORKDIR
+        env = {"PATH": CHILD_PATH, "LANG": "C.UTF-8", "HOME": home, "TMPDIR": home}
+        cmd = _prlimit_argv(host.prlimit, limits, nproc)
+        if weak:
+            cmd, fds = cmd + argv, ()
+        else:
+            cmd += _bwrap_argv(host.bwrap, workdir, env, status_w, seccomp_r) + argv
+            fds = (status_w,) if seccomp_r is None else (status_w, seccomp_r)
+            env = {"PATH": CHILD_PATH}
         with tempfile.TemporaryFile() as stdin_file:
             stdin_file.write(stdin.encode())
             stdin_file.seek(0)
             t0 = time.monotonic()
-            proc = subprocess.Popen(cmd, stdin=stdin_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    env={"PATH": CHILD_PATH}, start_new_session=True, pass_fds=(status_w,))
+            proc = subprocess.Popen(cmd, stdin=stdin_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                    cwd=workdir, start_new_session=True, pass_fds=fds, user=uid, group=uid,
+                                    extra_groups=None if uid is None else [])
         os.close(status_w)
         status_w = -1
         out, timed_out = _collect(proc, t0 + limits.wall_s)
@@ -206,37 +401,43 @@ def run_command(argv: list[str], limits: SandboxLimits = SandboxLimits(), files:
         proc.wait()
         os.set_blocking(status_r, False)
         try:
-            status = os.read(status_r, 4096).decode()
+            while chunk := os.read(status_r, 4096):
+                status += chunk
         except BlockingIOError:
-            status = ""
+            pass
     finally:
         if proc is not None and proc.poll() is None:
             _kill_group(proc.pid)
             proc.wait()
-        if uid is not None and (proc is None or proc.returncode != 0 or not status.startswith("exit")):
-            _kill_uid(uid)      # a kill from outside: the namespace may still be dying
         if status_w >= 0:
             os.close(status_w)
         os.close(status_r)
+        if seccomp_r is not None:
+            os.close(seccomp_r)
+        reported = _bwrap_status(status)
+        if "child-pid" in reported and "pid-namespace" in reported:
+            _await_sandbox_end(reported["child-pid"], reported["pid-namespace"])
+        if weak and uid is not None:
+            _kill_uid(uid)
         shutil.rmtree(workdir, ignore_errors=True)
-    if status.startswith("error"):
-        raise SandboxError(f"sandbox setup failed: {status[6:]}")
     stdout, stderr = _decode(*out[0]), _decode(*out[1])
-    if timed_out or status == "timeout":
+    if timed_out:
         return SandboxResult("timeout", None, stdout, stderr, wall)
-    if status.startswith("signal"):
-        sig = int(status.split()[1])
+    exit_code = proc.returncode if weak else reported.get("exit-code")
+    if exit_code is None:
+        if proc.returncode < 0:          # bwrap itself was killed from outside
+            return SandboxResult("killed", proc.returncode, stdout, stderr, wall)
+        raise SandboxError(f"sandbox setup failed: {(stderr.strip().splitlines() or ['no message'])[-1]}")
+    elif not weak and 128 < exit_code < 128 + signal.NSIG:
+        exit_code = -(exit_code - 128)   # bwrap reports death by signal n as 128 + n, as shells do
+    if exit_code < 0:
         # RLIMIT_CPU: SIGXCPU at the soft limit, SIGKILL at the hard one.
-        kind = "timeout" if sig == signal.SIGXCPU else "killed"
-        return SandboxResult(kind, -sig, stdout, stderr, wall)
-    if status.startswith("exit"):
-        code = int(status.split()[1])
-    else:     # the init process itself died (killed from outside): no target status
-        return SandboxResult("killed", proc.returncode, stdout, stderr, wall)
-    if code == 0:
+        kind = "timeout" if -exit_code == signal.SIGXCPU else "killed"
+        return SandboxResult(kind, exit_code, stdout, stderr, wall)
+    if exit_code == 0:
         return SandboxResult("ok", 0, stdout, stderr, wall)
     memory = "MemoryError" in stderr[-2000:]
-    return SandboxResult("memory" if memory else "failed", code, stdout, stderr, wall)
+    return SandboxResult("memory" if memory else "failed", exit_code, stdout, stderr, wall)
 
 
 def _collect(proc: subprocess.Popen, deadline: float) -> tuple[list[tuple[bytearray, int]], bool]:
@@ -271,7 +472,7 @@ def _collect(proc: subprocess.Popen, deadline: float) -> tuple[list[tuple[bytear
                 buf[1] += max(0, len(chunk) - room)
             if gone_at is None and _exited(proc.pid):
                 gone_at = time.monotonic()
-                _kill_group(proc.pid)     # leftovers (the pid namespace, when used, has none)
+                _kill_group(proc.pid)     # leftovers (under bwrap the pid namespace ends them)
     finally:
         sel.close()
         for f in bufs:
@@ -290,12 +491,12 @@ def _exited(pid: int) -> bool:
 
 def run_python(code: str, limits: SandboxLimits = SandboxLimits(), files: dict[str, str] | None = None,
                stdin: str = "") -> SandboxResult:
-    """Run Python source as main.py (isolated mode, `python -I`) in the sandbox."""
+    """Run Python source as main.py with the system's /usr/bin/python3 in isolated mode (`-I`)."""
     if not isinstance(code, str):
         raise ValueError(f"code must be a str, got {type(code).__name__}")
     if files and "main.py" in files:
         raise ValueError("files may not contain 'main.py': the code is written there")
-    python = isolation()["python"]
+    python = _host().python
     if not python:
-        raise SandboxError("no Python interpreter the sandbox uid can run (install python3 under /usr/bin)")
+        raise SandboxError(f"no {SYSTEM_PYTHON} for the sandbox: install Debian's python3")
     return run_command([python, "-I", "main.py"], limits, {**(files or {}), "main.py": code}, stdin)

@@ -40,7 +40,8 @@ def mbpp_tasks(path: str, ids: range = MBPP_TRAIN_IDS) -> list[Task]:
             raise ValueError(f"{p}:{n}: not an MBPP record ({e})") from None
         if tid in ids:
             prompt = f"{rec['text'].strip()} Your code should pass this test:\n{tests[0]}"
-            out.append(Task("code", prompt, "", {"task_id": tid, "tests": tests,
+            # the reference never enters a rollout or the reward: only the fresh-input re-check runs it
+            out.append(Task("code", prompt, "", {"task_id": tid, "tests": tests, "reference": rec.get("code", ""),
                                                   "setup": rec.get("test_setup_code", "")}))
     return out
 

@@ -7,7 +7,10 @@ The interface (what rl.agent.run_group drives; one fresh instance per episode):
     env.reset(task) -> str               # the episode's first user message
     env.step(calls) -> StepResult        # run one assistant turn's ToolCalls: one observation per call
     env.final_reward(answer) -> RewardOutcome   # the answer: the last assistant message without
-                                         # tool calls ("" at max turns); score in [0, 1]
+                                         # tool calls ("" at max turns); score in [0, 1]; computed
+                                         # by trusted code, never by what runs in the sandbox
+    env.recheck() -> RewardOutcome       # optional: an independent check of a rewarded episode
+                                         # (1 agrees, 0 disagrees, status "skipped"), never a reward
 
     tasks_for(name, split, n, seed) -> list[Task]   # Task.domain == name; meta is JSON (it travels
                                          # to rollout workers over the wire), so an episode needs
@@ -35,11 +38,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 from posttrain.chat_template import ToolCall
-from rl.rewards import RewardOutcome
+from rl.rewards import RewardOutcome, recheck_outcome
 from rl.sample import Task
 
 __all__ = ["Environment", "StepResult", "ENVIRONMENTS", "register_env", "make_env", "tasks_for", "function_spec",
-           "draw", "ToolCall", "RewardOutcome", "manage_context", "context_manager", "TemplateTokenCounter"]
+           "draw", "ToolCall", "RewardOutcome", "recheck_outcome", "manage_context", "context_manager", "TemplateTokenCounter"]
 
 SPLITS = ("train", "heldout")
 

@@ -20,9 +20,12 @@ samples/SOURCES.md): 374 training tasks -> 283 instances (91 skipped: most have 
 e.g. one-line library calls); in 199 of them the bug fails every assert (PASS_TO_PASS empty).
 
 Tools: read_file(path), write_file(path, content), run_tests() (the workspace's test file, so the
-model sees what it changed). The reward runs the original test file against the final
-solution.py in a fresh sandbox: 1 iff every FAIL_TO_PASS and PASS_TO_PASS test passes (an edited
-test file does not count).
+model sees what it changed). The reward splits each test of the original test file into the call
+the model's code must answer and the check made by trusted code (rl.verify): the final
+repository runs in a fresh sandbox and hands back each call's value, and this process compares it
+with the expected value, so an edited test file, printed "ok" lines, a patched print or an
+atexit handler count for nothing. 1 iff every FAIL_TO_PASS and PASS_TO_PASS test passes.
+recheck() runs the reference and the final repository on fresh inputs (rl.verify.recheck).
 
 SWE-bench Lite (samples/swebench_lite: 73 instances, dev + a 50-instance test sample): every
 instance's patch touches a single file, but none is feasible without the upstream repository. A
@@ -41,9 +44,10 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from posttrain.chat_template import ToolCall
-from rl.envs import RewardOutcome, StepResult, check_args, draw, function_spec, register_env
+from rl.envs import RewardOutcome, StepResult, check_args, draw, function_spec, recheck_outcome, register_env
 from rl.sample import Task
 from rl.sandbox import SandboxLimits, run_python
+from rl.verify import CallCheck, checks_from_asserts, judge, recheck, run_calls
 
 MBPP_TRAIN_IDS = range(601, 975)
 DATA = Path(__file__).with_name("data") / "swe_repair_mbpp.jsonl"
@@ -145,6 +149,28 @@ def mutate(source: str, k: int) -> tuple[str, str]:
             f.attr = new
         desc = f"{old}() -> {new}()"
     return ast.unparse(ast.fix_missing_locations(tree)) + "\n", f"{kind} {desc} (line {line})"
+
+
+def split_test_file(text: str) -> tuple[str, dict[str, str]]:
+    """test_file's output -> (setup code, {test name: assert line}): the inverse of test_file."""
+    body = ast.parse(text).body
+    if not body or not (isinstance(body[0], ast.ImportFrom) and body[0].module == "solution"):
+        raise ValueError("a swe_repair test file starts with `from solution import *`")
+    setup, tests = [], {}
+    for node in body[1:]:
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+            if len(node.body) != 1 or not isinstance(node.body[0], ast.Assert):
+                raise ValueError(f"{node.name} is not a single assert")
+            tests[node.name] = ast.unparse(node.body[0])
+        else:
+            setup.append(ast.unparse(node))
+    return "\n".join(setup), tests
+
+
+def test_checks(task: Task) -> tuple[str, dict[str, CallCheck]]:
+    """The original tests of an instance as sandboxed calls with trusted checks."""
+    setup, tests = split_test_file(task.meta["files"]["test_solution.py"])
+    return setup, dict(zip(tests, checks_from_asserts(list(tests.values()))))
 
 
 def test_file(setup: str, tests: Sequence[str]) -> str:
@@ -382,18 +408,31 @@ class SWERepairEnv:
             obs.append(check_args(c, self.tools) or self._tool(c))
         return StepResult(obs, False, {"tool_calls": self.calls})
 
+    def _repository(self) -> dict[str, str]:
+        return {p: t for p, t in self.files.items() if p != "test_solution.py"}
+
     def final_reward(self, answer: str) -> RewardOutcome:
         if self.task is None:
             raise RuntimeError("final_reward before reset")
-        files = {**self.files, "test_solution.py": self.task.meta["files"]["test_solution.py"]}
-        results, problem = run_tests(files, self.limits)
+        setup, checks = test_checks(self.task)
         need = [*self.task.meta["fail_to_pass"], *self.task.meta["pass_to_pass"]]
-        failed = [t for t in need if not results.get(t, (False, ""))[0]]
+        run = run_calls([checks[t].call for t in need], files=self._repository(), module="solution", setup=setup,
+                        limits=self.limits, call_timeout_s=TEST_TIMEOUT_S)
+        failed = [t for t, (ok, _) in zip(need, judge([checks[t] for t in need], run)) if not ok]
         if not failed:
             return RewardOutcome(1.0, "ok", f"all {len(need)} tests pass after {self.calls} tool calls")
         f2p = [t for t in failed if t in self.task.meta["fail_to_pass"]]
         return RewardOutcome(0.0, "ok", f"{len(failed)} of {len(need)} tests fail ({len(f2p)} FAIL_TO_PASS)"
-                                        + (f"; {problem}" if problem else ""))
+                                        + (f"; {run.problem}" if run.problem else ""))
+
+    def recheck(self) -> RewardOutcome:
+        """The reference solution and the final repository on fresh inputs (never a reward)."""
+        setup, checks = test_checks(self.task)
+        r = recheck(list(checks.values()), {"code": self.task.answer, "setup": setup},
+                    {"files": self._repository(), "module": "solution", "setup": setup},
+                    seed=zlib.crc32(json.dumps(self.files, sort_keys=True).encode()), limits=self.limits,
+                    call_timeout_s=TEST_TIMEOUT_S)
+        return recheck_outcome(r)
 
     @classmethod
     def tasks(cls, split: str, n: int, seed: int) -> list[Task]:

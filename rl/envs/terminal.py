@@ -1,7 +1,7 @@
 """terminal: shell tasks in a sandboxed working folder, checked by a verifier script.
 
 Each task (TEMPLATES, seeded parameters) ships its folder as text files (Task.meta["files"]), an
-instruction and a bash verifier (meta["verify"]: exit 0 = solved, expected values baked in).
+instruction and its checks (meta["checks"], plain data such as ["file_equals", path, text]).
 The model has one tool, run(command): `bash cmd.sh` in the folder through rl.sandbox.run_command
 (fresh namespaces, limits, non-root uid, wall-clock kill); stdout and stderr come back merged,
 first OUTPUT_CHARS characters, with the exit code.
@@ -10,8 +10,13 @@ State between commands: every sandbox run starts in a new temporary folder, so a
 packing the working folder (tar.gz, base64 on stdout) and the next run unpacks it first; file
 contents, modes and subfolders persist, the shell (cwd, variables, background jobs) does not -
 every command starts in the folder's root. A command that times out or leaves a folder too big to
-pack keeps the previous state (the observation says so). final_reward unpacks the last state in a
-fresh sandbox and runs the verifier there; the final answer text is not read.
+pack keeps the previous state (the observation says so).
+
+The verdict is trusted code: final_reward reads the last packed folder here, as data (regular
+files and folders under w/ only, sizes bounded; a symlink, device or path outside w/ does not
+count), and evaluates the checks in this process (CHECKS). Nothing runs in a sandbox for it and
+the expected values never enter one: the commands cannot see them, print their way to a pass
+or replace the verifier. The final answer text is not read.
 """
 from __future__ import annotations
 
@@ -20,8 +25,10 @@ import binascii
 import hashlib
 import io
 import random
-import shlex
 import tarfile
+import zlib
+from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import Callable, Sequence
 
 from posttrain.chat_template import ToolCall
@@ -40,26 +47,15 @@ echo $? >.meta/rc
 head -c %d .meta/out.full >.meta/out; rm -f .meta/out.full cmd.sh
 tar -czf - w .meta | base64 -w0
 """ % OUTPUT_CHARS
-_VERIFY = r"""set -u
-if [ -f state.b64 ]; then base64 -d state.b64 | tar -xzf - && rm -rf .meta state.b64 || { echo "restore failed" >&2; exit 97; }; fi
-mkdir -p w && cd w && bash ../verify.sh
-"""
-
 WORDS = ("alpha", "bravo", "cedar", "delta", "ember", "falcon", "garnet", "harbor", "indigo", "juniper", "kepler",
          "lumen", "maple", "nectar", "onyx", "pepper", "quartz", "raven", "sierra", "tango", "umber", "violet")
 CITIES = ("Oslo", "Lima", "Cairo", "Perth", "Quito", "Dakar", "Hanoi", "Sofia")
-Template = Callable[[random.Random], tuple[str, dict[str, str], str]]
+Template = Callable[[random.Random], tuple[str, dict[str, str], list]]
 
 
-def _q(s: str) -> str:
-    return shlex.quote(s)
-
-
-def _eq_file(path: str, want: str) -> str:
-    """Verifier line: the file exists and its text (trailing newlines and spaces stripped) is want."""
-    return (f'[ -f {_q(path)} ] || {{ echo "missing {path}"; exit 1; }}\n'
-            f'got="$(sed -e "s/[[:space:]]*$//" {_q(path)})"\n'
-            f'[ "$got" = {_q(want.rstrip())} ] || {{ echo "wrong content in {path}"; exit 1; }}\n')
+def _eq_file(path: str, want: str) -> list:
+    """The file exists and its text, trailing spaces of each line and trailing newlines removed, is want."""
+    return ["file_equals", path, want.rstrip()]
 
 
 def _csv(rng: random.Random) -> tuple[list[tuple[int, str, int]], str]:
@@ -72,13 +68,13 @@ def t_count_lines(rng):
     city = rng.choice([r[1] for r in rows])
     n = sum(city in line for line in text.splitlines())
     return (f"Count the lines of data.csv that contain {city} and write the number to answer.txt.",
-            {"data.csv": text}, _eq_file("answer.txt", str(n)))
+            {"data.csv": text}, [_eq_file("answer.txt", str(n))])
 
 
 def t_sum_column(rng):
     rows, text = _csv(rng)
     return ("Add up the amount column of data.csv (skip the header) and write the total to total.txt.",
-            {"data.csv": text}, _eq_file("total.txt", str(sum(a for *_, a in rows))))
+            {"data.csv": text}, [_eq_file("total.txt", str(sum(a for *_, a in rows)))])
 
 
 def t_largest_file(rng):
@@ -87,21 +83,21 @@ def t_largest_file(rng):
     files = {f"logs/{n}.log": "x" * (s - 1) + "\n" for n, s in zip(names, sizes)}
     best = names[sizes.index(max(sizes))]
     return ("Find the largest file in the logs folder and write its file name (like name.log, without the "
-            "folder) to answer.txt.", files, _eq_file("answer.txt", f"{best}.log"))
+            "folder) to answer.txt.", files, [_eq_file("answer.txt", f"{best}.log")])
 
 
 def t_rename_ext(rng):
     names = rng.sample(WORDS, rng.randint(3, 6))
     files = {f"notes/{n}.txt": f"note {n} {rng.randint(0, 99)}\n" for n in names}
-    check = "".join(_eq_file(f"notes/{n}.md", files[f"notes/{n}.txt"]) for n in names)
-    check += '[ -z "$(ls notes | grep "\\.txt$")" ] || { echo ".txt files left"; exit 1; }\n'
+    check = [_eq_file(f"notes/{n}.md", files[f"notes/{n}.txt"]) for n in names]
+    check.append(["no_file_ending", "notes", ".txt"])
     return "Rename every .txt file in the notes folder to the same name ending in .md.", files, check
 
 
 def t_sort_unique(rng):
     names = [rng.choice(WORDS) for _ in range(rng.randint(10, 25))]
     return ("Write the names of names.txt to sorted.txt, sorted alphabetically, each name once.",
-            {"names.txt": "\n".join(names) + "\n"}, _eq_file("sorted.txt", "\n".join(sorted(set(names)))))
+            {"names.txt": "\n".join(names) + "\n"}, [_eq_file("sorted.txt", "\n".join(sorted(set(names))))])
 
 
 def t_replace_word(rng):
@@ -111,8 +107,7 @@ def t_replace_word(rng):
         k = rng.randint(1, 4)
         total += k
         files[f"src/{n}.py"] = "".join(f"{old}_{i} = {i}\n" for i in range(k))
-    check = (f'! grep -rq {_q(old)} src || {{ echo "{old} still in src"; exit 1; }}\n'
-             f'[ "$(cat src/*.py | grep -c {_q(new)})" = "{total}" ] || {{ echo "wrong count of {new}"; exit 1; }}\n')
+    check = [["no_text_under", "src", old], ["lines_containing", "src", ".py", new, total]]
     return f"Replace the word {old} with {new} in every file of the src folder.", files, check
 
 
@@ -125,7 +120,7 @@ def t_count_ext(rng):
             files[f"project/{d}/{w}.{ext}"] = f"# {w}\n"
             n_py += ext == "py"
     return ("Count the .py files anywhere under the project folder and write the number to answer.txt.",
-            files, _eq_file("answer.txt", str(n_py)))
+            files, [_eq_file("answer.txt", str(n_py))])
 
 
 def t_error_codes(rng):
@@ -140,22 +135,22 @@ def t_error_codes(rng):
         lines.append("ERROR E101 falcon happened")
         codes.add("E101")
     return ("app.log has lines 'LEVEL CODE message'. Write the distinct codes of the ERROR lines to errors.txt, "
-            "one per line, sorted.", {"app.log": "\n".join(lines) + "\n"}, _eq_file("errors.txt", "\n".join(sorted(codes))))
+            "one per line, sorted.", {"app.log": "\n".join(lines) + "\n"}, [_eq_file("errors.txt", "\n".join(sorted(codes)))])
 
 
 def t_backup(rng):
     names = rng.sample(WORDS, 4)
     files = {f"conf/{n}.{'cfg' if i % 2 == 0 else 'ini'}": f"{n}={rng.randint(0, 9)}\n" for i, n in enumerate(names)}
     cfgs = [p for p in files if p.endswith(".cfg")]
-    check = "".join(_eq_file("backup/" + p.split("/")[1], files[p]) + _eq_file(p, files[p]) for p in cfgs)
-    check += '[ "$(ls backup | wc -l)" = "%d" ] || { echo "backup holds other files"; exit 1; }\n' % len(cfgs)
+    check = [c for p in cfgs for c in (_eq_file("backup/" + p.split("/")[1], files[p]), _eq_file(p, files[p]))]
+    check.append(["entries", "backup", len(cfgs)])
     return "Copy every .cfg file of the conf folder into a new folder backup (keep the originals).", files, check
 
 
 def t_make_exec(rng):
     a, b = rng.randint(2, 50), rng.randint(2, 50)
     script = f"#!/bin/bash\necho $(( {a} * {b} ))\n"
-    check = '[ -x tool.sh ] || { echo "tool.sh is not executable"; exit 1; }\n' + _eq_file("out.txt", str(a * b))
+    check = [["executable", "tool.sh"], _eq_file("out.txt", str(a * b))]
     return "Make tool.sh executable, run it, and write what it prints to out.txt.", {"tool.sh": script}, check
 
 
@@ -166,12 +161,12 @@ TEMPLATES: dict[str, Template] = {
 
 
 def make_task(template: str, seed: int | str) -> Task:
-    instruction, files, verify = TEMPLATES[template](random.Random(f"{template}:{seed}"))
+    instruction, files, checks = TEMPLATES[template](random.Random(f"{template}:{seed}"))
     listing = "\n".join(f"  {p}" for p in sorted(files))
     prompt = (f"You are in a Linux shell working folder holding:\n{listing}\n\n{instruction}\n"
               "Use the run tool for shell commands (each starts in the folder's root). Answer briefly when done.")
     return Task(TerminalEnv.name, prompt, "", {"template": template, "seed": str(seed), "files": files,
-                                              "verify": verify})
+                                              "checks": checks})
 
 
 def _unpack(blob: str) -> tuple[str, int]:
@@ -189,6 +184,82 @@ def _unpack(blob: str) -> tuple[str, int]:
         raise ValueError(f"not a packed folder: {type(e).__name__}: {e}") from None
 
 
+MAX_FOLDER_BYTES = 16 * 1024 * 1024     # what read_folder unpacks at most (a small archive can expand a lot)
+
+
+@dataclass(frozen=True)
+class Entry:
+    data: bytes
+    mode: int
+
+
+def read_folder(blob: str) -> dict[str, Entry]:
+    """The regular files under w/ of a packed state, by path relative to w/. The archive is the
+    commands' output, so it is read as data: no extraction, members other than regular files
+    skipped, at most MAX_FOLDER_BYTES read."""
+    try:
+        raw = base64.b64decode(blob.strip(), validate=True)
+        out, total = {}, 0
+        with tarfile.open(fileobj=io.BytesIO(raw), mode="r:gz") as tar:
+            for m in tar:
+                parts = PurePosixPath(m.name).parts
+                if not m.isreg() or len(parts) < 2 or parts[0] != "w" or ".." in parts:
+                    continue
+                total += m.size
+                if total > MAX_FOLDER_BYTES:
+                    raise ValueError(f"more than {MAX_FOLDER_BYTES} bytes of files")
+                out["/".join(parts[1:])] = Entry(tar.extractfile(m).read(), m.mode)
+        return out
+    except (binascii.Error, tarfile.TarError, EOFError, OSError, zlib.error) as e:
+        raise ValueError(f"not a packed folder: {type(e).__name__}: {e}") from None
+
+
+def _text(e: Entry) -> str:
+    # what `sed -e "s/[[:space:]]*$//" FILE` inside "$(...)" gives: trailing spaces per line, then trailing newlines, dropped
+    lines = e.data.decode("utf-8", errors="replace").split("\n")
+    return "\n".join(line.rstrip() for line in lines).rstrip("\n")
+
+
+def _under(folder: dict[str, Entry], top: str) -> dict[str, Entry]:
+    return {p: e for p, e in folder.items() if p.startswith(top.rstrip("/") + "/")}
+
+
+def check_file_equals(folder: dict[str, Entry], path: str, want: str) -> str:
+    if path not in folder:
+        return f"missing {path}"
+    return "" if _text(folder[path]) == want else f"wrong content in {path}"
+
+
+def check_no_file_ending(folder: dict[str, Entry], top: str, suffix: str) -> str:
+    left = [p for p in _under(folder, top) if p.count("/") == top.count("/") + 1 and p.endswith(suffix)]
+    return f"{suffix} files left in {top}" if left else ""
+
+
+def check_no_text_under(folder: dict[str, Entry], top: str, text: str) -> str:
+    hit = [p for p, e in _under(folder, top).items() if text.encode() in e.data]
+    return f"{text} still in {top}" if hit else ""
+
+
+def check_lines_containing(folder: dict[str, Entry], top: str, suffix: str, text: str, n: int) -> str:
+    files = [e for p, e in _under(folder, top).items() if p.count("/") == top.count("/") + 1 and p.endswith(suffix)]
+    got = sum(text in line for e in files for line in e.data.decode("utf-8", errors="replace").splitlines())
+    return "" if got == n else f"wrong count of {text}"
+
+
+def check_entries(folder: dict[str, Entry], top: str, n: int) -> str:
+    names = {p[len(top) + 1:].split("/")[0] for p in _under(folder, top)}
+    return "" if len(names) == n else f"{top} holds other files"
+
+
+def check_executable(folder: dict[str, Entry], path: str) -> str:
+    return "" if path in folder and folder[path].mode & 0o111 else f"{path} is not executable"
+
+
+CHECKS: dict[str, Callable[..., str]] = {
+    "file_equals": check_file_equals, "no_file_ending": check_no_file_ending, "no_text_under": check_no_text_under,
+    "lines_containing": check_lines_containing, "entries": check_entries, "executable": check_executable}
+
+
 @register_env("terminal")
 class TerminalEnv:
     name = "terminal"
@@ -204,8 +275,8 @@ class TerminalEnv:
     def reset(self, task: Task) -> str:
         if task.domain != self.name:
             raise ValueError(f"terminal got a task of domain {task.domain!r}")
-        if not isinstance(task.meta.get("files"), dict) or not isinstance(task.meta.get("verify"), str):
-            raise ValueError(f"terminal task {task.meta.get('template')!r}: meta needs 'files' (dict) and 'verify' (str)")
+        if not isinstance(task.meta.get("files"), dict) or not isinstance(task.meta.get("checks"), list):
+            raise ValueError(f"terminal task {task.meta.get('template')!r}: meta needs 'files' (dict) and 'checks' (list)")
         self.task, self.state, self.calls = task, None, 0
         return task.prompt
 
@@ -237,14 +308,20 @@ class TerminalEnv:
         return StepResult(obs, False, {"tool_calls": self.calls})
 
     def final_reward(self, answer: str) -> RewardOutcome:
-        files = {**self._files(), "verify.sh": self.task.meta["verify"]}
-        r = run_command(["bash", "-c", _VERIFY], self.limits, files)
-        last = (r.stdout.strip().splitlines() or [""])[-1][:200]
-        if r.status == "ok":
-            return RewardOutcome(1.0, "ok", f"verifier passed after {self.calls} commands")
-        if r.status == "failed":
-            return RewardOutcome(0.0, "ok", f"verifier failed: {last or r.stderr.strip()[-200:]}")
-        return RewardOutcome(0.0, "timeout" if r.status == "timeout" else "error", f"verifier {r.status}")
+        if self.task is None:
+            raise RuntimeError("terminal: reset() first")
+        if self.state is None:
+            folder = {p: Entry(t.encode(), 0o644) for p, t in self.task.meta["files"].items()}
+        else:
+            try:
+                folder = read_folder(self.state)
+            except ValueError as e:
+                return RewardOutcome(0.0, "ok", f"the working folder cannot be read: {e}")
+        for check in self.task.meta["checks"]:
+            problem = CHECKS[check[0]](folder, *check[1:])
+            if problem:
+                return RewardOutcome(0.0, "ok", f"check failed: {problem}")
+        return RewardOutcome(1.0, "ok", f"all {len(self.task.meta['checks'])} checks pass after {self.calls} commands")
 
     @classmethod
     def tasks(cls, split: str, n: int, seed: int) -> list[Task]:

@@ -21,12 +21,28 @@ def test_unknown_preset_lists_known():
 
 
 def test_bad_override_names_field_and_reason():
-    with pytest.raises(ConfigError, match=r"--set: field ingest\.shard_size: .*greater than 0"):
+    with pytest.raises(ConfigError, match=r"--set ingest\.shard_size=0: field ingest\.shard_size: .*greater than 0"):
         load_config("tiny", overrides=["ingest.shard_size=0"])
     with pytest.raises(ConfigError, match=r"field ingest\.shard_sise: Extra inputs are not permitted"):
         load_config("tiny", overrides=["ingest.shard_sise=5"])
     with pytest.raises(ConfigError, match="expected KEY=VALUE"):
         load_config("tiny", overrides=["ingest.shard_size"])
+
+
+def test_an_unknown_section_is_blamed_on_the_set_that_names_it():
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", overrides=["ingest.shard_size=7", "nosuch.key=1"])
+    assert str(err.value) == "invalid config: --set nosuch.key=1: field nosuch: Extra inputs are not permitted"
+
+
+def test_a_file_that_is_not_utf8_is_named_with_its_line_and_byte_offset(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    data = "run:\n  seed: 1  # café\n".encode("latin-1")
+    path.write_bytes(data)
+    with pytest.raises(ConfigError) as err:
+        load_config(config_file=path)
+    assert str(err.value) == (f"{path}:2: not UTF-8 text (byte 0xe9 at byte offset {data.index(0xe9)}); "
+                              "save the file as UTF-8")
 
 
 def test_bad_file_names_file_line_field(tmp_path):

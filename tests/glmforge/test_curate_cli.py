@@ -64,3 +64,35 @@ def test_issue_pr_metadata_is_a_json_object(tmp_path):
     assert [t["id"] for t in table] == [r["id"] for r in rows]
     for t, row in zip(table, rows):  # Parquet: the shard schema's metadata column is JSON text
         assert json.loads(t["metadata"]) == row["metadata"]
+
+
+def _one_error_line(r) -> str:
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    return lines[0]
+
+
+def test_every_record_quarantined_names_the_reasons_and_writes_nothing(tmp_path):
+    src = tmp_path / "docs.jsonl"
+    src.write_text('{"text": ""}\n{"text": 5}\n{"text": "   "}\n')
+    r = _curate("dedup-exact", "--input", str(src), "--output", str(tmp_path / "out" / "kept.jsonl"))
+    line = _one_error_line(r)
+    assert "every record was quarantined (empty_text 2, non_string_text 1)" in line
+    assert f"first at {src}:1: field 'text' is empty after normalization" in line
+    assert "part-" not in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_text_field_names_the_fields_there_and_the_option(tmp_path):
+    src = tmp_path / "docs.jsonl"
+    src.write_text('{"title": "one", "body": "first"}\n{"title": "two", "body": "second"}\n')
+    r = _curate("dedup-exact", "--input", str(src), "--output", str(tmp_path / "out"))
+    line = _one_error_line(r)
+    assert "every record was quarantined (missing_text 2)" in line
+    assert f"first at {src}:1: missing field 'text' (its fields: 'title', 'body')" in line
+    assert "--text-field" in line
+    assert not (tmp_path / "out").exists()
+    # the option it names is the way out
+    r = _curate("dedup-exact", "--input", str(src), "--output", str(tmp_path / "out"), "--text-field", "body")
+    assert r.exit_code == 0, r.output

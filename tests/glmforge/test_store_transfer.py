@@ -109,7 +109,7 @@ def test_transfer_config_validation_and_sizes():
             S3TransferConfig(**bad)
     cfg = load_config("tiny", overrides=["store.transfer.multipart_chunksize=16MiB", "store.transfer.max_concurrency=4"])
     assert (cfg.store.transfer.multipart_chunksize, cfg.store.transfer.max_concurrency) == (16 * MiB, 4)
-    with pytest.raises(ConfigError, match=r"--set: field store.transfer.max_concurrency"):
+    with pytest.raises(ConfigError, match=r"--set store\.transfer\.max_concurrency=0: field store\.transfer\.max_concurrency"):
         load_config("tiny", overrides=["store.transfer.max_concurrency=0"])
 
 

@@ -59,8 +59,10 @@ def test_resolve_model_dir(tmp_path, monkeypatch):
     assert resolve_model_dir(tmp_path) == tmp_path
     monkeypatch.setenv("GLMFORGE_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("GLMFORGE_STORE", str(tmp_path / "store"))
-    with pytest.raises(ValueError, match="no artifact of stage 'missing'"):
-        resolve_model_dir("missing")
+    with pytest.raises(ValueError, match="no artifact of stage 'sft'"):
+        resolve_model_dir("sft")
+    with pytest.raises(ValueError, match="model folder missing does not exist"):
+        resolve_model_dir("missing")  # no such folder, and no stage of that name
     art = tmp_path / "art"
     (art / "hf").mkdir(parents=True)
     (art / "hf" / "config.json").write_text("{}")

@@ -97,13 +97,15 @@ def test_code_mbpp_reference_passes_and_broken_fails():
     assert (ok.score, ok.reason) == (1.0, f"all {len(rec['test_list'])} tests passed")
     broken = rec["code"].replace("min(", "max(")
     bad = score(f"```python\n{broken}\n```", t)
-    assert bad.score == 0.0 and bad.reason.startswith("test failed: " + rec["test_list"][0][:40]), bad
-    assert score("def min_cost(cost, m, n):\n    return 8", t).reason.startswith("test failed: " + rec["test_list"][1][:40])
+    assert bad.score == 0.0 and bad.reason.startswith("3 of 3 tests failed: assert min_cost("), bad
+    assert "(returned " in bad.reason                       # the value the trusted side compared
+    eight = score("def min_cost(cost, m, n):\n    return 8", t)   # the first test's answer only
+    assert eight.score == 0.0 and eight.reason.startswith("2 of 3 tests failed: " + rec["test_list"][1][:30]), eight
     raised = score("```python\nraise RuntimeError('nope')\n```", t)
-    assert raised.score == 0.0 and "solution raised: RuntimeError: nope" == raised.reason
+    assert raised.score == 0.0 and "solution raised RuntimeError: nope" in raised.reason, raised
     # Exiting early (with success) or printing a fake report is not a pass.
     cheat = score("import os, sys\nprint('done')\nos._exit(0)", t)
-    assert cheat.score == 0.0 and cheat.reason.startswith("no test report"), cheat
+    assert cheat.score == 0.0 and "no readable result" in cheat.reason, cheat
     assert score("import sys\nsys.exit(0)", t).score == 0.0
 
 
