@@ -1,6 +1,6 @@
 """QAT vs PTQ effect benchmark (issue 16): does INT4 round-to-nearest PTQ of every linear layer
 (experts included) hurt a small GLMModel that has learned something, and how much of it does
-INT4 QAT (posttrain/qat.py) recover?
+INT4 QAT (quant/qat.py) recover?
 
 The task (--task facts, default): two-token fact recall (evals/mqar.fact_batch), 128 x 128 =
 16,384 facts "a b -> v" of one fixed random table, 256 values, 22 facts per 66-token document,
@@ -13,7 +13,7 @@ Per seed, in one process on one thread:
   2. from that checkpoint, two continuations on the SAME batches (same seed, steps and lr
      schedule; --decay 1.0 decays the lr linearly to 0 over them):
        plain  full precision; its INT4 round-to-nearest copy is the PTQ model;
-       qat    fake INT4 (posttrain.qat.prepare_qat, group --group) switched on after
+       qat    fake INT4 (quant.qat.prepare_qat, group --group) switched on after
               --qat-start of the continuation steps (0 = from the first step), with
               --qat-lr-mult on its lr, optionally with learned scales (--lsq, enable_lsq);
      the QAT model is then baked to its INT4 values (remove_qat(bake=True));
@@ -46,12 +46,12 @@ import math
 import os
 import time
 
+import effects_common as C  # bench/effects_common.py (this script's directory is on sys.path)
 import torch
 
-import effects_common as C  # bench/effects_common.py (this script's directory is on sys.path)
 from evals.mqar import IGNORE, fact_batch, mqar_batch
 from model.model import GLMModel
-from posttrain.qat import QATConfig, prepare_qat, ptq_int4, remove_qat
+from quant.qat import QATConfig, prepare_qat, ptq_int4, remove_qat
 
 
 @torch.no_grad()
@@ -102,7 +102,7 @@ def continue_training(model: GLMModel, args, seed: int, qat: bool) -> GLMModel:
     if qat:
         prepare_qat(m, qat_config(args))
         if args.lsq:
-            from posttrain.qat import enable_lsq
+            from quant.qat import enable_lsq
             enable_lsq(m)
             _add_scale_params(opt, m, args.lsq_lr / (args.cont_lr * args.qat_lr_mult))
         C.train_mqar(m, [(args.task, args.cont_len, args.cont_batch, args.cont_steps - start)], pairs=args.pairs, vocab=args.vocab,
@@ -114,7 +114,7 @@ def continue_training(model: GLMModel, args, seed: int, qat: bool) -> GLMModel:
 
 
 def _add_scale_params(opt, model, lr_mult):
-    from posttrain.qat import lsq_parameters
+    from quant.qat import lsq_parameters
     ps = lsq_parameters(model)
     known = {id(p) for g in opt.param_groups for p in g["params"]}
     ps = [p for p in ps if id(p) not in known]

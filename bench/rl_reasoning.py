@@ -19,12 +19,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from chat.template import STOP_TOKENS  # noqa: E402
 from data_processing.tokenizer import train_tokenizer  # noqa: E402
+from domains import arithmetic  # noqa: E402
 from model.config import tiny  # noqa: E402
 from model.model import GLMModel  # noqa: E402
-from posttrain.chat_template import STOP_TOKENS  # noqa: E402
-from posttrain.qat import QATConfig  # noqa: E402
-from rl import arithmetic  # noqa: E402
+from quant.qat import QATConfig  # noqa: E402
 from rl.grpo import UpdateParams, assign_advantages, update  # noqa: E402
 from rl.rewards import RewardWorker  # noqa: E402
 from rl.rollout import RolloutEngine, SamplingParams, prompt_ids  # noqa: E402

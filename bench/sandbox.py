@@ -33,9 +33,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.append(str(REPO))                     # after PYTHONPATH: another checkout may come first
 
 from machine import machine  # noqa: E402  (bench/machine.py: this script's directory is on sys.path)
+
+from domains.pools import mbpp_tasks  # noqa: E402
 from rl import sandbox  # noqa: E402
 from rl.rewards import code_reward  # noqa: E402
-from rl.tasks import mbpp_tasks  # noqa: E402
 
 MBPP = REPO / "samples/mbpp/mbpp.jsonl"
 TASK_ID = 602                                  # first_repeated_char: three asserts

@@ -7,7 +7,7 @@ RL model, so an RL stage that lowered an earlier domain's accuracy gets it back.
   1. for each teacher, `prompts_per_teacher` prompts from its domain, a pure function of
      (seed, step, teacher):
         sft           GSM8K train questions (after the lines SFT holds out), thinking off
-        rl-reasoning  synthetic addition (rl.arithmetic train pairs)
+        rl-reasoning  synthetic addition (domains.arithmetic train pairs)
         rl-agentic    addition with the calculator tool declared (the calc_arith environment's
                       prompt shape; the environments' own multi-turn episodes are not replayed)
   2. the student samples one response per prompt (group size 1) through the rollout engine;
@@ -15,7 +15,7 @@ RL model, so an RL stage that lowered an earlier domain's accuracy gets it back.
      student must share the tokenizer, which is checked, see check_teacher);
   4. per token A_t = sg(log pi_teacher - log pi_student_old), and the GRPO + IcePop update with
      that per-token advantage (rl.opd.opd_loss: the RL core's IS correction, IcePop weights).
-With `use_qat` the student trains with INT4 fake quantization (posttrain.qat, as sft does): the
+With `use_qat` the student trains with INT4 fake quantization (quant.qat, as sft does): the
 final exported INT4 model (export/int4, int4/) is the distilled one, the end of the chain.
 
 Evals: posttrain.gates on every teacher, the student before and the result after: the full
@@ -35,27 +35,27 @@ from typing import Any, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from chat.template import STOP_TOKENS
 from data_processing.tokenizer import load_tokenizer
-from glmforge import shutdown
+from domains import arithmetic
+from domains.pools import gsm8k_tasks
+from domains.task import Task
 from glmforge.stage import Workdir
 from model.hf import artifact_weights, load_state
 from model.model import GLMModel, indexer_parameters
 from posttrain import gates
-from posttrain.chat_template import STOP_TOKENS
 from posttrain.gates import EVALS, GateConfig
-from posttrain.qat import QATConfig, prepare_qat, ptq_int4, remove_qat, save_int4
-from rl import arithmetic
+from quant.qat import QATConfig, prepare_qat, ptq_int4, remove_qat, save_int4
+from rl import trainer
 from rl.grpo import UpdateParams, collate, recompute_old_logprobs
 from rl.loss import token_logprobs
 from rl.opd import opd_loss, token_advantages
 from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
-from rl.sample import Sample, Status, Task
-from rl.tasks import gsm8k_tasks
+from rl.sample import Sample, Status
 from training import checkpoint, metrics
 from training.loop import export
 
 log = logging.getLogger("glmforge")
-STATE = "state.pt"
 TEACHERS = ("sft", "rl-reasoning", "rl-agentic")
 # the evals that measure each teacher's domain
 DOMAIN_EVALS = {"sft": ("gsm8k_acc", "heldout_ppl"), "rl-reasoning": ("arithmetic_acc",),
@@ -127,7 +127,7 @@ def domain_prompts(teacher: str, cfg: DistillConfig, seed: int) -> tuple[list[Ta
     pool = [arithmetic.task(a, b) for a, b in arithmetic.pairs("train")]
     if teacher == "rl-reasoning":
         return pool, None
-    from posttrain.sft_data import CALCULATOR
+    from domains.tools import CALCULATOR
 
     return pool, [CALCULATOR]
 
@@ -258,7 +258,7 @@ def run_distill(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir) -
     pools = {n: domain_prompts(n, cfg, seed) for n in cfg.teachers}
     root, log_path = workdir.checkpoint / "ckpt", workdir.checkpoint / "metrics.jsonl"
 
-    found = checkpoint.select_resume(root)
+    found = checkpoint.select_resume(root)          # before QAT: the gates measure the model as given
     if found is None:
         before = gates.measure(model, tokenizer, cfg.gates.evals, seed)
         teacher_evals = {n: gates.measure(t, tokenizer, cfg.gates.evals, seed) for n, t in teachers.items()}
@@ -267,40 +267,29 @@ def run_distill(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir) -
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=cfg.betas,
                             weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
-    if found is None:
-        start = 0
-        log_path.unlink(missing_ok=True)
-    else:
-        tag, meta = found
-        st = torch.load(root / tag / STATE, weights_only=True)
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["optimizer"])
-        gen.set_state(st["rollout_rng"])
-        start, before, teacher_evals = meta["step"], meta["before"], meta["teacher_evals"]
-        metrics.truncate(log_path, start)
-        log.info("distill: resuming after step %d", start)
+    policy = trainer.Policy(model, opt, gen)
+    resumed = trainer.load_latest(root, policy, log_path, "distill")
+    start = 0
+    if resumed is not None:
+        start, before, teacher_evals = resumed[0], resumed[1]["before"], resumed[1]["teacher_evals"]
     engine = RolloutEngine(model, tokenizer, stop_ids, pad_id, int4=cfg.rollout_int4, batch_size=cfg.rollout_batch)
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
     params = UpdateParams(cfg.eps_low, cfg.eps_high, cfg.icepop_beta, cfg.minibatches, 1, cfg.temperature,
                           False, cfg.grad_clip)
-    with shutdown.deferred() as stop_requested:
-        for step in range(start + 1, cfg.steps + 1):
-            t0 = time.perf_counter()
-            tasks = {n: draw(pools[n][0], cfg.prompts_per_teacher, seed, step, n) for n in cfg.teachers}
-            prompts = {n: [prompt_ids(tokenizer, t, pools[n][1]) for t in ts] for n, ts in tasks.items()}
-            rec = distill_step(engine, model, opt, teachers, prompts, pad_id, sampling, params, cfg.adv_clip, gen,
-                               step, tasks)
-            rec.update(step=step, step_s=time.perf_counter() - t0)
-            metrics.append(log_path, rec)
-            workdir.progress(step, cfg.steps, f"distill reverse KL {rec.get('reverse_kl', float('nan')):.3f}")
-            stop = stop_requested() and step < cfg.steps
-            if step % cfg.checkpoint_every == 0 or step == cfg.steps or stop:
-                checkpoint.save_torch(root, step, {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                                   "rollout_rng": gen.get_state()},
-                                      {"before": before, "teacher_evals": teacher_evals}, cfg.keep_last, name=STATE)
-                workdir.persist_checkpoint()
-            if stop:
-                raise shutdown.Preempted(f"distill stopped by a signal: checkpoint at step {step} of {cfg.steps}")
+
+    def one_step(step: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        tasks = {n: draw(pools[n][0], cfg.prompts_per_teacher, seed, step, n) for n in cfg.teachers}
+        prompts = {n: [prompt_ids(tokenizer, t, pools[n][1]) for t in ts] for n, ts in tasks.items()}
+        rec = distill_step(engine, model, opt, teachers, prompts, pad_id, sampling, params, cfg.adv_clip, gen,
+                           step, tasks)
+        rec.update(step=step, step_s=time.perf_counter() - t0)
+        return rec
+
+    trainer.run_steps("distill", policy, one_step, start=start, steps=cfg.steps, root=root, log_path=log_path,
+                      workdir=workdir, checkpoint_every=cfg.checkpoint_every, keep_last=cfg.keep_last,
+                      meta=lambda: {"before": before, "teacher_evals": teacher_evals},
+                      describe=lambda r: f"reverse KL {r.get('reverse_kl', float('nan')):.3f}")
     if cfg.use_qat:
         remove_qat(model)            # the full-precision weights QAT trained; INT4 is exported from them
     after = gates.measure(model, tokenizer, cfg.gates.evals, seed)
@@ -347,7 +336,7 @@ def publish(cfg: DistillConfig, model: GLMModel, inputs: dict[str, Path], out: P
     export(model, out, str(inputs["tokenize"]), {k: v for k, v in after.items()})
     save_int4(model, cfg.qat, out / "int4")
     if cfg.export_hf:
-        from posttrain.export_int4 import export_all
+        from quant.export import export_all
 
         export_all(model, cfg.qat, out / "export", inputs["tokenize"])
     return result

@@ -3,7 +3,7 @@
 Every gated stage (rl-reasoning, rl-general, distill; rl-agentic through the same three calls)
 measures one fixed set of evals on its input model ("before") and on its result ("after"):
 
-    arithmetic_acc       greedy accuracy on held-out synthetic addition (rl.arithmetic)   higher
+    arithmetic_acc       greedy accuracy on held-out synthetic addition (domains.arithmetic)   higher
     gsm8k_acc            greedy accuracy on GSM8K test questions (thinking off)           higher
     heldout_ppl          perplexity of the GSM8K test reference answers (assistant tokens) lower
     tool_call_validity   share of replies to calculator-tool prompts that make at least
@@ -34,12 +34,12 @@ from typing import Any, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from chat.template import STOP_TOKENS, Message, encode
+from domains import arithmetic
+from domains.task import Task
 from model.model import GLMModel
-from posttrain.chat_template import STOP_TOKENS, Message, encode
-from rl import arithmetic
 from rl.judges import valid_tool_call
 from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
-from rl.sample import Task
 
 # eval name -> +1 (higher is better) or -1 (lower is better)
 EVALS: dict[str, int] = {"arithmetic_acc": 1, "gsm8k_acc": 1, "heldout_ppl": -1, "tool_call_validity": 1}
@@ -102,7 +102,7 @@ def _greedy(engine: RolloutEngine, prefixes: list[list[int]], max_new: int) -> l
 
 
 def _problems(cfg: GateEvalConfig):
-    from posttrain.sft_data import read_gsm8k
+    from domains.gsm8k import read_gsm8k
 
     probs = read_gsm8k(cfg.gsm8k_path)[: max(cfg.gsm8k, cfg.tool)]
     if not probs:
@@ -136,8 +136,8 @@ def perplexity(model: GLMModel, tokenizer, conversations: list[list[Message]], b
 @torch.no_grad()
 def measure(model: GLMModel, tokenizer, cfg: GateEvalConfig, seed: int = 0) -> dict[str, float]:
     """The EVALS of `model` (module doc)."""
+    from domains.tools import CALCULATOR
     from rl.rewards import score_sample
-    from posttrain.sft_data import CALCULATOR
 
     was = model.training
     model.eval()

@@ -17,7 +17,7 @@ The pairs (chosen = a reference answer, rejected = the same answer damaged; one 
     mbpp        MBPP training ids (601-974). Chosen: the reference code. Rejected: one mutation
                 that breaks it (a comparison, arithmetic operator or boolean flipped; with none
                 present, the last half of the lines dropped)
-    arithmetic  rl.arithmetic train pairs. Chosen: the sum's digits; rejected: one digit wrong
+    arithmetic  domains.arithmetic train pairs. Chosen: the sum's digits; rejected: one digit wrong
 A pair is held out when crc32(prompt) % 100 < heldout_percent: the held-out pairwise accuracy
 (the share of held-out pairs scored chosen > rejected; a tie counts one half) is the stage's
 headline number, also read by rl-general. The construction is deterministic given the seed.
@@ -43,17 +43,17 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file, save_file
 
+from chat.template import pair_text_ids
 from data_processing.tokenizer import load_tokenizer
+from domains import arithmetic
+from domains.pools import MBPP_TRAIN_IDS
 from glmforge.stage import Workdir
 from model.hf import artifact_weights, load_state, save_state
 from model.model import GLMModel, indexer_parameters
-from posttrain.chat_template import Message, encode
-from rl import arithmetic
-from rl.tasks import MBPP_TRAIN_IDS
-from training import checkpoint, metrics
+from rl import trainer
+from training import metrics
 
 log = logging.getLogger("glmforge")
-STATE = "state.pt"
 
 
 class RewardModelConfig(BaseModel):
@@ -103,7 +103,7 @@ def mutate_code(code: str, rng: random.Random) -> str:
 
 
 def gsm8k_pairs(path: str, skip: int, n: int, seed: int) -> list[Pair]:
-    from posttrain.sft_data import read_gsm8k
+    from domains.gsm8k import read_gsm8k
 
     rng = random.Random(seed)
     out = []
@@ -168,16 +168,6 @@ def build_pairs(cfg: RewardModelConfig, seed: int) -> tuple[list[Pair], list[Pai
     if not train or not held:
         raise ValueError(f"reward-model: {len(train)} train / {len(held)} held-out pairs; need both > 0")
     return train, held
-
-
-def pair_text_ids(tokenizer, prompt: str, reply: str, max_len: int) -> tuple[list[int], int]:
-    """The conversation's ids (the last max_len kept) and where the reply starts in them."""
-    user = [Message("user", prompt, thinking=False)]
-    head = encode(tokenizer, user, thinking_mode="turn", add_generation_prompt=True).ids
-    ids = encode(tokenizer, [*user, Message("assistant", reply)], thinking_mode="turn").ids
-    start = next((i for i, (a, b) in enumerate(zip(head, ids)) if a != b), min(len(head), len(ids)))
-    cut = max(0, len(ids) - max_len)
-    return ids[cut:], max(1, start - cut)
 
 
 def pairwise_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> float:
@@ -287,20 +277,15 @@ def run_reward_model(cfg: RewardModelConfig, inputs: dict[str, Path], workdir: W
     opt = torch.optim.AdamW([p for p in rm.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
     root, log_path = workdir.checkpoint / "ckpt", workdir.checkpoint / "metrics.jsonl"
 
-    found = checkpoint.select_resume(root)
-    if found is None:
+    policy = trainer.Policy(rm, opt)
+    resumed = trainer.load_latest(root, policy, log_path, "reward-model")
+    if resumed is None:
         start, before = 0, heldout_accuracy(rm, he_c, he_r, kinds, cfg.eval_batch)
-        log_path.unlink(missing_ok=True)
     else:
-        tag, meta = found
-        st = torch.load(root / tag / STATE, weights_only=True)
-        rm.load_state_dict(st["model"])
-        opt.load_state_dict(st["optimizer"])
-        start, before = meta["step"], meta["before"]
-        metrics.truncate(log_path, start)
-        log.info("reward-model: resuming after step %d", start)
+        start, before = resumed[0], resumed[1]["before"]
     rm.train()
-    for step in range(start + 1, cfg.steps + 1):
+
+    def one_step(step: int) -> dict[str, Any]:
         rng = random.Random(seed * 1_000_003 + step)
         idx = [rng.randrange(len(train)) for _ in range(cfg.batch_pairs)]
         scores = rm([tr_c[i] for i in idx] + [tr_r[i] for i in idx])
@@ -310,14 +295,12 @@ def run_reward_model(cfg: RewardModelConfig, inputs: dict[str, Path], workdir: W
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_([p for p in rm.parameters() if p.requires_grad], cfg.grad_clip)
         opt.step()
-        rec = {"step": step, "loss": float(loss.detach()), "train_pair_accuracy": pairwise_accuracy(c.detach(), r.detach()),
-               "margin": float((c - r).detach().mean()), "grad_norm": float(gnorm)}
-        metrics.append(log_path, rec)
-        workdir.progress(step, cfg.steps, f"reward-model loss {rec['loss']:.3f}")
-        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-            checkpoint.save_torch(root, step, {"model": rm.state_dict(), "optimizer": opt.state_dict()},
-                                  {"before": before}, cfg.keep_last, name=STATE)
-            workdir.persist_checkpoint()
+        return {"step": step, "loss": float(loss.detach()), "train_pair_accuracy": pairwise_accuracy(c.detach(), r.detach()),
+                "margin": float((c - r).detach().mean()), "grad_norm": float(gnorm)}
+
+    trainer.run_steps("reward-model", policy, one_step, start=start, steps=cfg.steps, root=root, log_path=log_path,
+                      workdir=workdir, checkpoint_every=cfg.checkpoint_every, keep_last=cfg.keep_last,
+                      meta=lambda: {"before": before}, describe=lambda r: f"loss {r['loss']:.3f}")
     after = heldout_accuracy(rm, he_c, he_r, kinds, cfg.eval_batch)
     records = metrics.read(log_path)
     out = workdir.out

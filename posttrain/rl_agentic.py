@@ -42,35 +42,36 @@ from typing import Any, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
+from chat.template import STOP_TOKENS
 from data_processing.tokenizer import load_tokenizer
+from domains.task import Task
 from glmforge.stage import OPERATIONAL, Workdir
 from model.hf import artifact_weights, load_state
 from model.model import GLMModel, indexer_parameters
 from posttrain import gates
-from posttrain.chat_template import STOP_TOKENS
 from posttrain.gates import GateConfig
-from posttrain.qat import QATConfig
-from rl import reward_audit
+from quant.qat import QATConfig
+from rl import reward_audit, trainer
 from rl.agent import context_for, prompt_tools, run_group
 from rl.envs import ENVIRONMENTS, make_env, tasks_for
 from rl.grpo import collate
 from rl.loss import double_sided_is_loss, group_advantages
 from rl.orchestrator import WorkerPool
 from rl.rollout import RolloutEngine, SamplingParams
+from rl.sample import Sample
 from rl.sandbox import require_isolation
-from rl.sample import Sample, Task
 from rl.staleness import admit, filter_groups
 from rl.wire import sample_from_dict, sample_to_dict
-from training import checkpoint, metrics
+from training import metrics
 from training.loop import export
 
 log = logging.getLogger("glmforge")
-STATE, BUFFER = "state.pt", "buffer.json"
+BUFFER = "buffer.json"
 # environments whose tools or verifier run model-written code in rl.sandbox (a test checks the list)
 SANDBOXED_ENVIRONMENTS = frozenset({"swe_repair", "terminal"})
 
 
-class ContextConfig(BaseModel):
+class AgentContextConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     keep_recent: int = Field(3, ge=1, description="tool results kept visible; older ones are elided")
@@ -86,7 +87,7 @@ class RLAgenticConfig(BaseModel):
     environments: dict[str, float] = Field({"calc_arith": 1.0}, description="episode weights over rl.envs")
     env_args: dict[str, dict[str, Any]] = Field({}, description="constructor arguments per environment")
     max_turns: int = Field(4, ge=1)
-    context: Optional[ContextConfig] = Field(None, description="keep-recent-k context management (forks trajectories)")
+    context: Optional[AgentContextConfig] = Field(None, description="keep-recent-k context management (forks trajectories)")
     workers: int = Field(2, ge=1, description="rollout worker processes")
     synchronous: bool = Field(False, description="the on-policy reference: generate in the trainer, no workers")
     eta: int = Field(1, ge=0, description="admission: samples start at most eta versions behind")
@@ -212,23 +213,14 @@ def reset_optimizer(opt: torch.optim.Optimizer) -> None:
 
 
 # ---------------------------------------------------------------- checkpoints
-def save_checkpoint(root: Path, step: int, model, opt, state: dict[str, Any], buffer: dict[int, list[Sample]],
-                    keep_last: int) -> None:
-    buffered = json.dumps({str(g): [sample_to_dict(s) for s in ss] for g, ss in buffer.items()})
-    checkpoint.save_torch(root, step, {"model": model.state_dict(), "optimizer": opt.state_dict()},
-                          state, keep_last, {BUFFER: buffered}, name=STATE)
+def buffer_text(buffer: dict[int, list[Sample]]) -> dict[str, str]:
+    """The sample buffer as a checkpoint's text file (samples are plain data: rl.wire)."""
+    return {BUFFER: json.dumps({str(g): [sample_to_dict(s) for s in ss] for g, ss in buffer.items()})}
 
 
-def load_checkpoint(root: Path, model, opt) -> tuple[dict[str, Any], dict[int, list[Sample]]] | None:
-    found = checkpoint.select_resume(root)
-    if found is None:
-        return None
-    tag, meta = found
-    st = torch.load(root / tag / STATE, weights_only=True)
-    model.load_state_dict(st["model"])
-    opt.load_state_dict(st["optimizer"])
-    raw = json.loads((root / tag / BUFFER).read_text())
-    return meta, {int(g): [sample_from_dict(s) for s in ss] for g, ss in raw.items()}
+def read_buffer(folder: Path) -> dict[int, list[Sample]]:
+    raw = json.loads((folder / BUFFER).read_text())
+    return {int(g): [sample_from_dict(s) for s in ss] for g, ss in raw.items()}
 
 
 # ---------------------------------------------------------------- evaluation
@@ -268,38 +260,34 @@ def run_rl_agentic(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workd
     ckpt_root, log_path = workdir.checkpoint / "ckpt", workdir.checkpoint / "metrics.jsonl"
     B = cfg.prompts_per_step * cfg.group_size
 
-    resumed = load_checkpoint(ckpt_root, model, opt)
+    buffer: dict[int, list[Sample]] = {}
+    policy = trainer.Policy(model, opt, texts=lambda: buffer_text(buffer))
+    resumed = trainer.load_latest(ckpt_root, policy, log_path, "rl-agentic")
     if resumed is None:
         engine.sync(model, 0)
         state = {"step": 0, "version": 0, "next_group": 0, "submitted": 0, "inflight": [],
                  "before": evaluate(engine, tokenizer, cfg, heldout, seed),
                  "gates_before": gates.measure(model, tokenizer, cfg.gates.evals, seed)}
-        buffer: dict[int, list[Sample]] = {}
-        log_path.unlink(missing_ok=True)
     else:
-        state, buffer = resumed
-        metrics.truncate(log_path, state["step"])
-        log.info("rl-agentic: resuming after step %d (%d groups buffered, %d re-submitted)", state["step"],
-                 len(buffer), len(state["inflight"]))
+        state, buffer = resumed[1], read_buffer(resumed[2])
+        log.info("rl-agentic: %d groups buffered, %d re-submitted", len(buffer), len(state["inflight"]))
 
     pool = None
     if not cfg.synchronous:
         pool = WorkerPool(cfg.workers, worker_config(cfg, inputs, seed), workdir.checkpoint / "weights",
                           heartbeat_s=cfg.heartbeat_s, dead_after_s=cfg.dead_after_s)
         pool.start()
-    try:
-        if pool is not None:
-            pool.publish(model, state["version"])
-            for g in state["inflight"]:                     # in flight at the checkpoint: generate again
-                pool.submit(g, prompts.task(g), cfg.group_size)
-        t_prev = time.perf_counter()                        # end of the previous optimizer step
-        while state["step"] < cfg.steps:
-            if pool is None:                                # synchronous reference: one batch per step
+
+    def one_step(step: int) -> dict[str, Any]:
+        """Fill the buffer to B samples (the synchronous reference generates them here; otherwise
+        admit new groups to the workers and poll), then train on the oldest groups."""
+        t0 = time.perf_counter()
+        while True:
+            if pool is None:
                 engine.sync(model, state["version"])
                 while sum(map(len, buffer.values())) < B:
                     g = state["next_group"]
-                    t = prompts.task(g)
-                    buffer[g] = episodes(engine, tokenizer, cfg, t, g, cfg.group_size, sampling, seed)
+                    buffer[g] = episodes(engine, tokenizer, cfg, prompts.task(g), g, cfg.group_size, sampling, seed)
                     state["next_group"] += 1
             else:
                 while admit(state["submitted"], cfg.group_size, state["version"], cfg.eta, B):
@@ -309,37 +297,43 @@ def run_rl_agentic(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workd
                     state["submitted"] += cfg.group_size
                 for g, samples in pool.poll(timeout=1.0):
                     buffer[g] = samples
-                if sum(map(len, buffer.values())) < B:
-                    continue
-            idle = time.perf_counter() - t_prev                # the trainer waited for samples this long
-            take: dict[int, list[Sample]] = {}
-            for g in sorted(buffer):                        # oldest groups first
-                if sum(map(len, take.values())) >= B:
-                    break
-                take[g] = buffer.pop(g)
-            rec = train_step(model, opt, take, state["version"], cfg, pad_id)
-            state["step"] += 1
-            if state["step"] % cfg.sync_every == 0:
-                state["version"] += 1
-                reset_optimizer(opt)
-                if pool is not None:
-                    pool.publish(model, state["version"])
-            trained = [s for ss in take.values() for s in ss]
-            rewards = [s.reward for s in trained]
-            # a tool result in the response (loss-masked observation tokens) means the episode called a tool
-            rec.update(step=state["step"], version=state["version"], groups=sorted(take),
-                       reward=sum(rewards) / len(rewards),
-                       tool_call_rate=sum(0 in s.loss_mask for s in trained) / len(trained), wait_s=idle, step_s=time.perf_counter() - t_prev,
-                       worker_restarts=pool.restarts if pool else 0, rerouted=pool.rerouted if pool else 0,
-                       **reward_audit.step_metrics(trained))
-            metrics.append(log_path, rec)
-            reward_audit.warn("rl-agentic", rec, cfg.recheck_alert)
-            workdir.progress(state["step"], cfg.steps, f"rl-agentic reward {rec['reward']:.3f}")
-            if state["step"] % cfg.checkpoint_every == 0 or state["step"] == cfg.steps:
-                state["inflight"] = sorted(pool.inflight()) if pool else []
-                save_checkpoint(ckpt_root, state["step"], model, opt, state, buffer, cfg.keep_last)
-                workdir.persist_checkpoint()
-            t_prev = time.perf_counter()
+            if sum(map(len, buffer.values())) >= B:
+                break
+        idle = time.perf_counter() - t0                     # the trainer waited for samples this long
+        take: dict[int, list[Sample]] = {}
+        for g in sorted(buffer):                            # oldest groups first
+            if sum(map(len, take.values())) >= B:
+                break
+            take[g] = buffer.pop(g)
+        rec = train_step(model, opt, take, state["version"], cfg, pad_id)
+        state["step"] = step
+        if step % cfg.sync_every == 0:
+            state["version"] += 1
+            reset_optimizer(opt)
+            if pool is not None:
+                pool.publish(model, state["version"])
+        trained = [s for ss in take.values() for s in ss]
+        rewards = [s.reward for s in trained]
+        # a tool result in the response (loss-masked observation tokens) means the episode called a tool
+        rec.update(step=step, version=state["version"], groups=sorted(take), reward=sum(rewards) / len(rewards),
+                   tool_call_rate=sum(0 in s.loss_mask for s in trained) / len(trained), wait_s=idle,
+                   step_s=time.perf_counter() - t0, worker_restarts=pool.restarts if pool else 0,
+                   rerouted=pool.rerouted if pool else 0, **reward_audit.step_metrics(trained))
+        reward_audit.warn("rl-agentic", rec, cfg.recheck_alert)
+        return rec
+
+    def meta() -> dict[str, Any]:
+        state["inflight"] = sorted(pool.inflight()) if pool else []     # generated again on resume
+        return state
+
+    try:
+        if pool is not None:
+            pool.publish(model, state["version"])
+            for g in state["inflight"]:                     # in flight at the checkpoint: generate again
+                pool.submit(g, prompts.task(g), cfg.group_size)
+        trainer.run_steps("rl-agentic", policy, one_step, start=state["step"], steps=cfg.steps, root=ckpt_root,
+                          log_path=log_path, workdir=workdir, checkpoint_every=cfg.checkpoint_every,
+                          keep_last=cfg.keep_last, meta=meta, describe=lambda r: f"reward {r['reward']:.3f}")
     finally:
         if pool is not None:
             pool.close()

@@ -39,29 +39,39 @@ from typing import Any, Literal, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from chat.template import STOP_TOKENS
 from data_processing.tokenizer import load_tokenizer
-from glmforge import shutdown
+from domains import arithmetic
+from domains.pools import gsm8k_tasks, mbpp_tasks
+from domains.task import Task
+from domains.tools import CALCULATOR
 from glmforge.stage import Workdir
 from model.hf import artifact_weights, load_state
 from model.model import GLMModel, indexer_parameters
 from posttrain import gates
 from posttrain.gates import GateConfig
-from posttrain.chat_template import STOP_TOKENS
-from posttrain.sft_data import CALCULATOR
-from posttrain.qat import QATConfig
-from rl import arithmetic
+from quant.qat import QATConfig
 from rl.grpo import UpdateParams, assign_advantages, update
-from rl.judges import COMPONENTS, Judge, JudgeService, combine, disagreement, grm_judge, length_penalty, orm_judge, \
-    rule_reward, valid_tool_call
+from rl import trainer
+from rl.judges import (
+    COMPONENTS,
+    Judge,
+    JudgeService,
+    combine,
+    disagreement,
+    grm_judge,
+    length_penalty,
+    orm_judge,
+    rule_reward,
+    valid_tool_call,
+)
 from rl.rewards import REWARDS
 from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
-from rl.sample import Sample, Status, Task
-from rl.tasks import gsm8k_tasks, mbpp_tasks
-from training import checkpoint, metrics
+from rl.sample import Sample, Status
+from training import metrics
 from training.loop import export
 
 log = logging.getLogger("glmforge")
-STATE = "state.pt"
 SOURCES = ("gsm8k", "mbpp", "arithmetic", "tool")
 
 
@@ -276,50 +286,37 @@ def run_rl_general(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workd
     params = UpdateParams(cfg.eps_low, cfg.eps_high, cfg.icepop_beta, cfg.minibatches, cfg.epochs,
                           cfg.temperature, cfg.std_normalize, cfg.grad_clip)
     root, log_path = workdir.checkpoint / "ckpt", workdir.checkpoint / "metrics.jsonl"
+    policy = trainer.Policy(model, opt, gen)
+    last: list[Sample] = []
 
-    found = checkpoint.select_resume(root)
-    if found is None:
+    def one_step(step: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        engine.sync(model, step)
+        tasks = draw(pools, cfg.prompts, cfg.prompts_per_step, seed, step)
+        samples = [Sample(t, g, prompt_ids(tokenizer, t, t.meta.get("tools")))
+                   for g, t in enumerate(tasks) for _ in range(cfg.group_size)]
+        engine.generate(samples, sampling, gen)
+        t1 = time.perf_counter()
+        failures, comps, extra = hybrid_rewards(samples, tokenizer, services, cfg)
+        t2 = time.perf_counter()
+        flat = assign_advantages(samples, cfg.std_normalize)
+        stats = update(model, opt, samples, pad_id, params, gen) if any(s.trainable for s in samples) else {}
+        t3 = time.perf_counter()
+        last[:] = samples
+        return step_record(step, samples, tokenizer, comps, stats, flat, failures, extra,
+                           {"generate": t1 - t0, "reward": t2 - t1, "train": t3 - t2})
+
+    resumed = trainer.load_latest(root, policy, log_path, "rl-general")
+    if resumed is None:
         start, before = 0, gates.measure(model, tokenizer, cfg.gates.evals, seed)
-        log_path.unlink(missing_ok=True)
     else:
-        tag, meta = found
-        st = torch.load(root / tag / STATE, weights_only=True)
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["optimizer"])
-        gen.set_state(st["rollout_rng"])
-        start, before = meta["step"], meta["before"]
-        metrics.truncate(log_path, start)
-        log.info("rl-general: resuming after step %d", start)
-    samples: list[Sample] = []
-    with shutdown.deferred() as stop_requested:
-        for step in range(start + 1, cfg.steps + 1):
-            t0 = time.perf_counter()
-            engine.sync(model, step)
-            tasks = draw(pools, cfg.prompts, cfg.prompts_per_step, seed, step)
-            samples = [Sample(t, g, prompt_ids(tokenizer, t, t.meta.get("tools")))
-                       for g, t in enumerate(tasks) for _ in range(cfg.group_size)]
-            engine.generate(samples, sampling, gen)
-            t1 = time.perf_counter()
-            failures, comps, extra = hybrid_rewards(samples, tokenizer, services, cfg)
-            t2 = time.perf_counter()
-            flat = assign_advantages(samples, cfg.std_normalize)
-            stats = update(model, opt, samples, pad_id, params, gen) if any(s.trainable for s in samples) else {}
-            t3 = time.perf_counter()
-            rec = step_record(step, samples, tokenizer, comps, stats, flat, failures, extra,
-                              {"generate": t1 - t0, "reward": t2 - t1, "train": t3 - t2})
-            metrics.append(log_path, rec)
-            workdir.progress(step, cfg.steps, f"rl-general reward {rec['reward']:.3f}")
-            stop = stop_requested() and step < cfg.steps
-            if step % cfg.checkpoint_every == 0 or step == cfg.steps or stop:
-                checkpoint.save_torch(root, step, {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                                   "rollout_rng": gen.get_state()}, {"before": before}, cfg.keep_last,
-                                      name=STATE)
-                workdir.persist_checkpoint()
-            if stop:
-                raise shutdown.Preempted(f"rl-general stopped by a signal: checkpoint at step {step} of {cfg.steps}")
+        start, before = resumed[0], resumed[1]["before"]
+    trainer.run_steps("rl-general", policy, one_step, start=start, steps=cfg.steps, root=root, log_path=log_path,
+                      workdir=workdir, checkpoint_every=cfg.checkpoint_every, keep_last=cfg.keep_last,
+                      meta=lambda: {"before": before}, describe=lambda r: f"reward {r['reward']:.3f}")
     after = gates.measure(model, tokenizer, cfg.gates.evals, seed)
     records = metrics.read(log_path)
-    return publish(cfg, model, inputs, workdir.out, records, before, after, samples)
+    return publish(cfg, model, inputs, workdir.out, records, before, after, last)
 
 
 def publish(cfg: RLGeneralConfig, model: GLMModel, inputs: dict[str, Path], out: Path, records: list[dict[str, Any]],

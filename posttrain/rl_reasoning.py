@@ -35,28 +35,27 @@ from typing import Any, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
+from chat.template import STOP_TOKENS
 from data_processing.tokenizer import load_tokenizer
-from glmforge import shutdown
+from domains import arithmetic
+from domains.pools import DOMAINS, gsm8k_tasks, load_pools
+from domains.task import Task
 from glmforge.stage import OPERATIONAL, Workdir
 from model.hf import artifact_weights, load_state
 from model.model import GLMModel, indexer_parameters
 from posttrain import gates
-from posttrain.chat_template import STOP_TOKENS
 from posttrain.gates import GateConfig
-from posttrain.qat import QATConfig
-from rl import arithmetic
+from quant.qat import QATConfig
+from rl import reward_audit, trainer
 from rl.grpo import UpdateParams, assign_advantages, update
-from rl import reward_audit
 from rl.rewards import RewardWorker
 from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
+from rl.sample import Sample, Status
 from rl.sandbox import require_isolation
-from rl.sample import Sample, Status, Task
-from rl.tasks import DOMAINS, gsm8k_tasks, load_pools
-from training import checkpoint, metrics
+from training import metrics
 from training.loop import export
 
 log = logging.getLogger("glmforge")
-STATE = "state.pt"
 
 
 class RLReasoningConfig(BaseModel):
@@ -193,26 +192,6 @@ def evaluate(engine: RolloutEngine, policy: GLMModel, worker: RewardWorker, toke
 
 
 # ---------------------------------------------------------------- checkpoints
-def save_checkpoint(root: Path, step: int, model: GLMModel, opt: torch.optim.Optimizer, gen: torch.Generator,
-                    evals_before: dict[str, Any], keep_last: int) -> None:
-    checkpoint.save_torch(root, step, {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                       "rollout_rng": gen.get_state()}, {"evals_before": evals_before}, keep_last,
-                          name=STATE)
-
-
-def load_checkpoint(root: Path, model: GLMModel, opt: torch.optim.Optimizer, gen: torch.Generator
-                    ) -> tuple[int, dict[str, Any]] | None:
-    found = checkpoint.select_resume(root)
-    if found is None:
-        return None
-    tag, meta = found
-    state = torch.load(root / tag / STATE, weights_only=True)
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
-    gen.set_state(state["rollout_rng"])
-    return meta["step"], meta["evals_before"]
-
-
 # ---------------------------------------------------------------- the stage
 def run_rl_reasoning(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
     require_sandbox(cfg)
@@ -242,52 +221,44 @@ def run_rl_reasoning(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: W
     params = UpdateParams(cfg.eps_low, cfg.eps_high, cfg.icepop_beta, cfg.minibatches, cfg.epochs,
                           cfg.temperature, cfg.std_normalize, cfg.grad_clip)
     ckpt_root, log_path = workdir.checkpoint / "ckpt", workdir.checkpoint / "metrics.jsonl"
+    policy = trainer.Policy(model, opt, gen)
+    last: list[Sample] = []
 
     with RewardWorker() as worker:
-        resumed = load_checkpoint(ckpt_root, model, opt, gen)
+        def one_step(step: int) -> dict[str, Any]:
+            t0 = time.perf_counter()
+            engine.sync(model, step)
+            tasks = draw_tasks(pools, cfg.domains, cfg.prompts_per_step, seed, step)
+            samples = [Sample(t, g, prompt_ids(tokenizer, t)) for g, t in enumerate(tasks) for _ in range(cfg.group_size)]
+            engine.generate(samples, sampling, gen)
+            t1 = time.perf_counter()
+            failures = score(worker, samples, cfg.reward_timeout_s)
+            reward_audit.recheck_rewarded(worker, samples, cfg.recheck_per_step, seed, step, cfg.reward_timeout_s)
+            t2 = time.perf_counter()
+            flat = assign_advantages(samples, cfg.std_normalize)
+            stats = update(model, opt, samples, pad_id, params, gen)
+            t3 = time.perf_counter()
+            last[:] = samples
+            rec = step_record(step, samples, stats, flat, failures,
+                              {"generate": t1 - t0, "reward": t2 - t1, "train": t3 - t2})
+            reward_audit.warn("rl-reasoning", rec, cfg.recheck_alert)
+            return rec
+
+        resumed = trainer.load_latest(ckpt_root, policy, log_path, "rl-reasoning")
         if resumed is None:
             start, before = 0, evaluate(engine, model, worker, tokenizer, cfg, heldout, gsm8k, 0)
             before["gates"] = gates.measure(model, tokenizer, cfg.gates.evals, seed)
-            log_path.unlink(missing_ok=True)
         else:
-            start, before = resumed
-            metrics.truncate(log_path, start)
-            log.info("rl-reasoning: resuming after step %d", start)
-        samples: list[Sample] = []
-        # SIGTERM/SIGINT (glmforge.shutdown): the step in flight ends, a checkpoint is written and
-        # Preempted raised; a second signal interrupts at once.
-        with shutdown.deferred() as stop_requested:
-            for step in range(start + 1, cfg.steps + 1):
-                t0 = time.perf_counter()
-                engine.sync(model, step)
-                tasks = draw_tasks(pools, cfg.domains, cfg.prompts_per_step, seed, step)
-                samples = [Sample(t, g, prompt_ids(tokenizer, t)) for g, t in enumerate(tasks)
-                           for _ in range(cfg.group_size)]
-                engine.generate(samples, sampling, gen)
-                t1 = time.perf_counter()
-                failures = score(worker, samples, cfg.reward_timeout_s)
-                reward_audit.recheck_rewarded(worker, samples, cfg.recheck_per_step, seed, step, cfg.reward_timeout_s)
-                t2 = time.perf_counter()
-                flat = assign_advantages(samples, cfg.std_normalize)
-                stats = update(model, opt, samples, pad_id, params, gen)
-                t3 = time.perf_counter()
-                rec = step_record(step, samples, stats, flat, failures,
-                                  {"generate": t1 - t0, "reward": t2 - t1, "train": t3 - t2})
-                metrics.append(log_path, rec)
-                reward_audit.warn("rl-reasoning", rec, cfg.recheck_alert)
-                workdir.progress(step, cfg.steps, f"rl-reasoning reward {rec['reward']:.3f}")
-                stop = stop_requested() and step < cfg.steps
-                if step % cfg.checkpoint_every == 0 or step == cfg.steps or stop:
-                    save_checkpoint(ckpt_root, step, model, opt, gen, before, cfg.keep_last)
-                    workdir.persist_checkpoint()
-                if stop:
-                    raise shutdown.Preempted(f"rl-reasoning stopped by a signal: checkpoint at step {step} of "
-                                             f"{cfg.steps} written")
+            start, before = resumed[0], resumed[1]["before"]
+        trainer.run_steps("rl-reasoning", policy, one_step, start=start, steps=cfg.steps, root=ckpt_root,
+                          log_path=log_path, workdir=workdir, checkpoint_every=cfg.checkpoint_every,
+                          keep_last=cfg.keep_last, meta=lambda: {"before": before},
+                          describe=lambda r: f"reward {r['reward']:.3f}")
         after = evaluate(engine, model, worker, tokenizer, cfg, heldout, gsm8k, cfg.steps + 1)
     after["gates"] = gates.measure(model, tokenizer, cfg.gates.evals, seed)
 
     records = metrics.read(log_path)
-    return publish(cfg, model, inputs, workdir.out, records, before, after, samples)
+    return publish(cfg, model, inputs, workdir.out, records, before, after, last)
 
 
 def publish(cfg: RLReasoningConfig, model: GLMModel, inputs: dict[str, Path], out: Path,

@@ -8,7 +8,7 @@
    workdir.checkpoint/data (rebuilt only when missing: the build is deterministic).
 2. Training: training.stages.train_stage with the `sft` objective (training.objectives), i.e. the shared loop,
    launch, checkpoints, resume and metrics. The objective fake-quantizes the selected weights
-   (posttrain.qat.prepare_qat, state-dict names unchanged, so checkpoints and resume are those
+   (quant.qat.prepare_qat, state-dict names unchanged, so checkpoints and resume are those
    of any stage) and takes the model's LM + MTP loss on the masked labels (training.data.collate
    sets -100 wherever the loss mask is 0). With qat_start_fraction > 0 fake quantization starts
    that far into the run (as torchtune's fake_quant_after_n_steps): the steps before are plain
@@ -23,7 +23,7 @@
    held-out conversations and greedy GSM8K accuracy on held-out questions (thinking off, short
    answers) for
        full      the QAT-trained weights without quantization
-       qat_int4  the real INT4 conversion of those weights (posttrain.qat.save_int4 ->
+       qat_int4  the real INT4 conversion of those weights (quant.qat.save_int4 ->
                  load_int4_model: packed int4 + scales through int4_matmul)
        ptq_int4  the same conversion of the baseline run's weights
        full_no_qat  the baseline run in full precision (the reference PTQ degrades from)
@@ -41,7 +41,7 @@
    accuracy is ~0, so perplexity is the number that means something there.
 5. Exports under workdir.out: consolidated.safetensors + hf/ (the loop's, full precision),
    export/full (model.hf.save_pretrained) and export/int4 (compressed-tensors pack-quantized,
-   posttrain.export_int4.export_all), int4/model_int4.safetensors (our INT4 format), eval.json.
+   quant.export.export_all), int4/model_int4.safetensors (our INT4 format), eval.json.
 """
 from __future__ import annotations
 
@@ -57,21 +57,29 @@ from typing import Any
 import torch
 from pydantic import Field
 
+from chat.template import STOP_TOKENS, Message, encode, parse_assistant
 from data_processing.packing import META, PackedDataset
 from data_processing.tokenizer import load_tokenizer
+from domains.gsm8k import extract_answer
+from domains.tools import format_number
 from glmforge.stage import Workdir
 from model.generate import generate
 from model.hf import STATE_FILE, artifact_weights, load_state, state_config
 from model.model import GLMModel
-from posttrain.chat_template import STOP_TOKENS, Message, encode, parse_assistant
-from posttrain.export_int4 import export_all
-from posttrain.qat import (QATConfig, convert_int4, int4_bytes, load_int4_model, quantized_modules,
-                           save_int4)
+from posttrain.sft_data import SFTDataConfig, build_sft_data, gsm8k_splits
+from quant.export import export_all
+from quant.qat import (
+    QATConfig,
+    convert_int4,
+    int4_bytes,
+    load_int4_model,
+    quantized_modules,
+    save_int4,
+)
 from training import checkpoint, synthetic
 from training.config import TrainConfig
 from training.data import eval_batches
 from training.objectives import SFTSpec
-from posttrain.sft_data import SFTDataConfig, build_sft_data, extract_answer, format_number, gsm8k_splits
 from training.stages import train_stage
 from training.synthetic import SyntheticConfig
 

@@ -1,7 +1,7 @@
 """SFT conversations built from real sources in the repo, tokenized through the chat template and
 packed with their loss masks.
 
-Kinds of sample (every kind cycles through the three thinking modes of posttrain.chat_template:
+Kinds of sample (every kind cycles through the three thinking modes of chat.template:
 interleaved, preserved, turn; in turn mode every other sample switches thinking off):
     reasoning   a GSM8K question answered with its human-written rationale as reasoning (the
                 <<a*b=c>> calculator annotations removed); every third one is a two-question,
@@ -22,19 +22,15 @@ decontamination stage treats train_first200.jsonl as an eval set, so training ne
 and the standard-library functions whose name hashes into `val_fraction` (crc32, stable across
 runs and machines).
 
-Tokenization goes only through posttrain.chat_template.encode, so the loss mask is 1 on the
+Tokenization goes only through chat.template.encode, so the loss mask is 1 on the
 assistant's own tokens (kept reasoning, content, tool calls, end token) and 0 elsewhere;
 data_processing.packing.pack_samples stores it beside the tokens, with a document start at
 every sample so attention never crosses samples.
 """
 from __future__ import annotations
 
-import ast
-import json
-import operator
 import random
 import re
-import sysconfig
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,27 +38,22 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from data_processing.common import expand_path
+from chat.template import THINKING_MODES, Message, ToolCall, encode
 from data_processing.packing import pack_samples
 from data_processing.tokenizer import EOS, PAD
-from posttrain.chat_template import THINKING_MODES, Message, ToolCall, encode
-from rl import arithmetic
+from domains import arithmetic
+from domains.gsm8k import Problem, read_gsm8k
+from domains.tools import (
+    CALCULATOR,
+    MAX_DOC_CHARS,
+    SEARCH_DOCS,
+    STDLIB,
+    DocIndex,
+    Function,
+    calculator,
+    stdlib_functions,
+)
 
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
-# Small, pure-Python modules with documented top-level functions (the docs-tool corpus and the
-# code tasks). Missing ones (another Python version) are skipped.
-DOC_MODULES = ("textwrap", "shlex", "fnmatch", "posixpath", "base64", "heapq", "bisect", "statistics",
-               "difflib", "calendar", "colorsys", "glob", "string", "html/__init__", "json/__init__",
-               "keyword", "copy", "quopri", "uu", "imghdr", "sndhdr", "random", "shutil", "tempfile",
-               "urllib/parse", "email/utils", "tokenize", "linecache", "ntpath", "genericpath")
-
-CALCULATOR = {"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression (+ - * / and parentheses).",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
-SEARCH_DOCS = {"type": "function", "function": {
-    "name": "search_docs", "description": "Look up the docstring of a Python standard-library function by "
-                                          "its dotted name (module.function) or bare function name.",
-    "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}
 KINDS = ("reasoning", "tool_calc", "tool_docs", "code", "arithmetic")
 # a file name with "test" as a word: test.jsonl, gsm8k-test.jsonl, test_sample.jsonl (not latest.jsonl)
 _TEST_SPLIT = re.compile(r"(?<![a-z])test(?![a-z])")
@@ -78,7 +69,7 @@ class SFTDataConfig(BaseModel):
     tool_docs: int = Field(150, ge=0)
     code: int = Field(150, ge=0)
     arithmetic: int = Field(0, ge=0, description="demonstrations of rl-reasoning's synthetic addition task "
-                            "(rl.arithmetic): the warm start that puts RL at the edge of competence")
+                            "(domains.arithmetic): the warm start that puts RL at the edge of competence")
     arithmetic_with_tools: float = Field(0.0, ge=0, le=1, description="share of arithmetic demonstrations "
                                          "that offer the calculator and answer directly")
     arithmetic_tool_calls: float = Field(0.0, ge=0, le=1, description="share of arithmetic demonstrations "
@@ -92,7 +83,7 @@ class SFTDataConfig(BaseModel):
                                       "one wrong digit (keeps sampled accuracy where GRPO has reward variance)")
     val_per_kind: int = Field(16, ge=1, description="held-out conversations of each kind")
     val_fraction: float = Field(0.15, gt=0, lt=1, description="share of stdlib functions held out")
-    max_doc_chars: int = Field(600, ge=50, description="search_docs returns at most this much of a docstring")
+    max_doc_chars: int = Field(MAX_DOC_CHARS, ge=50, description="search_docs returns at most this much of a docstring")
     max_code_chars: int = Field(700, ge=50, description="code tasks use functions up to this source length")
     max_calls: int = Field(4, ge=1, description="tool_calc samples have at most this many calculator calls")
     seed: int = 0
@@ -108,7 +99,7 @@ class SFTDataConfig(BaseModel):
 
 
 @dataclass(frozen=True)
-class Sample:
+class SFTExample:
     kind: str
     messages: tuple[Message, ...]
     tools: tuple[dict, ...] | None
@@ -120,110 +111,6 @@ class Sample:
                       train_history=self.train_history)
 
 
-# ---------------------------------------------------------------- tools
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
-
-
-def _eval(node: ast.AST) -> float:
-    if isinstance(node, ast.Expression):
-        return _eval(node.body)
-    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
-        return float(node.value)
-    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-        return _OPS[type(node.op)](_eval(node.left), _eval(node.right))
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        v = _eval(node.operand)
-        return -v if isinstance(node.op, ast.USub) else v
-    raise ValueError(f"unsupported expression element {ast.dump(node)[:60]}")
-
-
-def format_number(v: float) -> str:
-    """Integers without a decimal point, others to 6 significant digits (what the tool prints)."""
-    if abs(v - round(v)) < 1e-9:
-        return str(int(round(v)))
-    return f"{v:.6g}"
-
-
-def calculator(expression: str) -> str:
-    """The calculator tool: + - * / and parentheses on numbers, evaluated for real (no eval())."""
-    try:
-        tree = ast.parse(expression.replace(",", ""), mode="eval")
-        return format_number(_eval(tree))
-    except (SyntaxError, ZeroDivisionError, ValueError, OverflowError) as e:
-        raise ValueError(f"calculator cannot evaluate {expression!r}: {e}") from None
-
-
-@dataclass(frozen=True)
-class Function:
-    name: str          # module.function
-    signature: str     # function(args)
-    doc: str
-    source: str
-
-
-def stdlib_functions(modules: tuple[str, ...] = DOC_MODULES) -> list[Function]:
-    """Documented public top-level functions of the modules, read with ast (never imported)."""
-    out = []
-    for m in modules:
-        path = STDLIB / f"{m}.py"
-        if not path.exists():
-            continue
-        text = path.read_text(encoding="utf-8", errors="replace")
-        mod = m.removesuffix("/__init__").replace("/", ".")
-        for node in ast.parse(text).body:
-            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
-                doc = ast.get_docstring(node)
-                src = ast.get_source_segment(text, node)
-                if doc and src and len(doc) >= 20:
-                    out.append(Function(f"{mod}.{node.name}", f"{node.name}({ast.unparse(node.args)})", doc, src))
-    return out
-
-
-class DocIndex:
-    """The search_docs tool over a local docstring corpus."""
-
-    def __init__(self, functions: list[Function], max_chars: int):
-        self.by_name = {f.name: f for f in functions}
-        self.max_chars = max_chars
-
-    def search(self, query: str) -> str:
-        q = query.strip()
-        hits = [self.by_name[q]] if q in self.by_name else [f for n, f in self.by_name.items()
-                                                             if n.rsplit(".", 1)[1] == q]
-        if not hits:
-            return f"No documentation found for {q!r}."
-        return "\n\n".join(f"{f.name}{f.signature[f.signature.index('('):]}\n{f.doc[: self.max_chars]}"
-                           for f in hits[:3])
-
-
-# ---------------------------------------------------------------- GSM8K
-_ANNOT = re.compile(r"<<([^<>=]*)=([^<>]*)>>")
-
-
-@dataclass(frozen=True)
-class Problem:
-    question: str
-    rationale: str     # human-written steps, annotations removed
-    answer: str        # the final number after ####
-    calls: tuple[tuple[str, str, str], ...]   # (text before the call on its line, expression, annotated result)
-
-
-def read_gsm8k(path: str | Path) -> list[Problem]:
-    out = []
-    for line in Path(expand_path(path)).read_text(encoding="utf-8").split("\n"):  # not splitlines(): U+2028
-        if not line.strip():
-            continue
-        rec = json.loads(line)
-        body, _, final = rec["answer"].rpartition("####")
-        calls = []
-        for ln in body.strip().splitlines():
-            for m in _ANNOT.finditer(ln):
-                calls.append((_ANNOT.sub("", ln[: m.start()]).strip(), m.group(1).strip(), m.group(2).strip()))
-        out.append(Problem(rec["question"].strip(), _ANNOT.sub("", body).strip(), final.strip().replace(",", ""),
-                           tuple(calls)))
-    return out
-
-
 def gsm8k_splits(cfg: SFTDataConfig) -> tuple[list[Problem], list[Problem]]:
     """(train, held out): the first eval_lines lines are held out."""
     probs = read_gsm8k(cfg.gsm8k_path)
@@ -232,22 +119,9 @@ def gsm8k_splits(cfg: SFTDataConfig) -> tuple[list[Problem], list[Problem]]:
     return probs[cfg.eval_lines:], probs[: cfg.eval_lines]
 
 
-def extract_answer(text: str) -> str | None:
-    """The final number of a reply: after '####' when present, else the last number."""
-    tail = text.rpartition("####")[2] if "####" in text else text
-    nums = re.findall(r"-?\d[\d,]*\.?\d*", tail)
-    if not nums:
-        return None
-    n = nums[-1].replace(",", "").rstrip(".")
-    try:
-        return format_number(float(n))
-    except ValueError:
-        return None
-
-
 # ---------------------------------------------------------------- conversations
 def _mode(i: int) -> tuple[str, bool]:
-    """Sample i's thinking mode and whether thinking is on (off for every other turn-mode one)."""
+    """SFTExample i's thinking mode and whether thinking is on (off for every other turn-mode one)."""
     mode = THINKING_MODES[i % 3]
     return mode, not (mode == "turn" and (i // 3) % 2 == 1)
 
@@ -258,17 +132,17 @@ def _qa(p: Problem, thinking: bool) -> list[Message]:
     return [Message("user", p.question, thinking=False), Message("assistant", f"{p.rationale}\n#### {p.answer}")]
 
 
-def reasoning_sample(i: int, probs: list[Problem]) -> Sample:
+def reasoning_sample(i: int, probs: list[Problem]) -> SFTExample:
     mode, thinking = _mode(i)
     msgs = _qa(probs[0], thinking)
     if len(probs) > 1:            # a second turn: history reasoning is where the modes differ
         msgs += _qa(probs[1], thinking)
     # Interleaved / turn modes show earlier turns without their reasoning, a context the model
     # never answered from: only the last turn is trained (chat_template.encode's advice).
-    return Sample("reasoning", tuple(msgs), None, mode, train_history=(mode == "preserved" or len(probs) == 1))
+    return SFTExample("reasoning", tuple(msgs), None, mode, train_history=(mode == "preserved" or len(probs) == 1))
 
 
-def calc_sample(i: int, p: Problem, max_calls: int) -> Sample | None:
+def calc_sample(i: int, p: Problem, max_calls: int) -> SFTExample | None:
     """The problem solved through calculator calls, or None when a call cannot be reproduced."""
     if not p.calls or len(p.calls) > max_calls:
         return None
@@ -286,10 +160,10 @@ def calc_sample(i: int, p: Problem, max_calls: int) -> Sample | None:
                  Message("tool", result)]
     final = "The answer is " + p.answer + "."
     msgs.append(Message("assistant", final, reasoning=p.rationale if thinking else ""))
-    return Sample("tool_calc", tuple(msgs), (CALCULATOR,), mode)
+    return SFTExample("tool_calc", tuple(msgs), (CALCULATOR,), mode)
 
 
-def docs_sample(i: int, f: Function, index: DocIndex) -> Sample:
+def docs_sample(i: int, f: Function, index: DocIndex) -> SFTExample:
     mode, thinking = _mode(i)
     doc = index.search(f.name)
     summary = f.doc.split("\n\n")[0]
@@ -299,23 +173,23 @@ def docs_sample(i: int, f: Function, index: DocIndex) -> Sample:
             Message("tool", doc),
             Message("assistant", f"`{f.name}{f.signature[f.signature.index('('):]}`: {summary}",
                     reasoning="The documentation answers it; I summarise its first paragraph." if thinking else "")]
-    return Sample("tool_docs", tuple(msgs), (SEARCH_DOCS,), mode)
+    return SFTExample("tool_docs", tuple(msgs), (SEARCH_DOCS,), mode)
 
 
-def code_sample(i: int, f: Function) -> Sample:
+def code_sample(i: int, f: Function) -> SFTExample:
     mode, thinking = _mode(i)
     module = f.name.rsplit(".", 1)[0]
     ask = f"Write the Python function `{f.signature}` of the `{module}` module. Its docstring:\n\n{f.doc}"
     reasoning = (f"I need to implement {f.signature} so that it does what the docstring says: "
                  f"{f.doc.splitlines()[0]}") if thinking else ""
-    return Sample("code", (Message("user", ask, thinking=thinking),
+    return SFTExample("code", (Message("user", ask, thinking=thinking),
                            Message("assistant", f"```python\n{f.source}\n```", reasoning=reasoning)), None, mode)
 
 
 def arithmetic_samples(n: int, split: str, seed: int, corrupt: float, with_tools: float = 0.0,
                        tool_calls: float = 0.0, tool_schema: bool = True,
-                       tool_digits: int = arithmetic.DIGITS) -> list[Sample]:
-    """Addition in rl.arithmetic's format, thinking off; held-out pairs only in the val split.
+                       tool_digits: int = arithmetic.DIGITS) -> list[SFTExample]:
+    """Addition in domains.arithmetic's format, thinking off; held-out pairs only in the val split.
     A `with_tools` share offers the calculator and answers directly: without it the model learns
     that an offered tool is always called, and agentic RL's calc_arith (the same prompt with the
     calculator) starts with no correct answer at all, so no reward variance to learn from.
@@ -338,16 +212,16 @@ def arithmetic_samples(n: int, split: str, seed: int, corrupt: float, with_tools
         if calls:
             call = ToolCall("calculator", {"expression": arithmetic.expression(t.meta["a"], t.meta["b"],
                                                                                t.meta["digits"])})
-            out.append(Sample("arithmetic", (user, Message("assistant", tool_calls=(call,)),
+            out.append(SFTExample("arithmetic", (user, Message("assistant", tool_calls=(call,)),
                                              Message("tool", t.answer), Message("assistant", answer)),
                               (CALCULATOR,) if tool_schema else None, "turn"))
             continue
         tools = (CALCULATOR,) if with_tools and rng.random() < with_tools else None   # no draw at 0
-        out.append(Sample("arithmetic", (user, Message("assistant", answer)), tools, "turn"))
+        out.append(SFTExample("arithmetic", (user, Message("assistant", answer)), tools, "turn"))
     return out
 
 
-def _valid(make, *args) -> Sample | None:
+def _valid(make, *args) -> SFTExample | None:
     """Build a sample; text the template refuses (a special-token string inside) is skipped."""
     try:
         return make(*args)
@@ -355,7 +229,7 @@ def _valid(make, *args) -> Sample | None:
         return None
 
 
-def _take(candidates, n: int) -> list[Sample]:
+def _take(candidates, n: int) -> list[SFTExample]:
     out = []
     for s in candidates:
         if len(out) == n:
@@ -365,7 +239,7 @@ def _take(candidates, n: int) -> list[Sample]:
     return out
 
 
-def build_samples(cfg: SFTDataConfig) -> dict[str, list[Sample]]:
+def build_samples(cfg: SFTDataConfig) -> dict[str, list[SFTExample]]:
     """{"train": [...], "val": [...]} conversations of every kind (counts from cfg)."""
     train_p, eval_p = gsm8k_splits(cfg)
     funcs = stdlib_functions()
@@ -376,7 +250,7 @@ def build_samples(cfg: SFTDataConfig) -> dict[str, list[Sample]]:
     index = DocIndex(funcs, cfg.max_doc_chars)     # the tool sees the whole corpus
     rng = random.Random(cfg.seed)
 
-    def for_split(probs: list[Problem], fs: list[Function], counts: dict[str, int], split: str) -> list[Sample]:
+    def for_split(probs: list[Problem], fs: list[Function], counts: dict[str, int], split: str) -> list[SFTExample]:
         def pairs():
             i = k = 0
             while k < len(probs):

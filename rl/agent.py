@@ -25,10 +25,20 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from posttrain.chat_template import (ASSISTANT, END_THINK, END_TOOL_RESPONSE, OBSERVATION, THINK, TOOL_RESPONSE,
-                                     Message, encode, parse_assistant)
+from chat.template import (
+    ASSISTANT,
+    END_THINK,
+    END_TOOL_RESPONSE,
+    OBSERVATION,
+    THINK,
+    TOOL_RESPONSE,
+    Message,
+    encode,
+    parse_assistant,
+)
+from domains.task import Task
 from rl.rollout import RolloutEngine, SamplingParams
-from rl.sample import Sample, Status, Task
+from rl.sample import Sample, Status
 
 
 class Env(Protocol):

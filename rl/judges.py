@@ -31,8 +31,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from posttrain.chat_template import parse_assistant
-from rl.sample import Task
+from chat.template import parse_assistant
+from domains.task import Task
 
 COMPONENTS = ("rule", "orm", "grm")
 
@@ -133,7 +133,7 @@ def orm_judge(orm, tokenizer, max_len: int, mean: float = 0.0, std: float = 1.0)
     item, mean and std those of the ORM's scores on its held-out replies. A Bradley-Terry head is
     defined only up to a shift and a scale; unstandardised, its sigmoid sat at 0.50 +- 0.02 on the
     tiny preset and drowned under the rule rewards' 0/1 steps."""
-    from posttrain.reward_model import pair_text_ids
+    from chat.template import pair_text_ids
 
     if std <= 0:
         raise ValueError(f"ORM judge: score std must be > 0, got {std}")

@@ -33,9 +33,10 @@ from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 from typing import Any
 
+from domains.task import Task
 from model.hf import save_state
 from model.model import GLMModel
-from rl.sample import Sample, Task
+from rl.sample import Sample
 from rl.wire import sample_from_dict, task_to_dict
 
 log = logging.getLogger("glmforge")

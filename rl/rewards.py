@@ -16,7 +16,7 @@ Domains:
                 rl.sandbox with meta["setup"]; it hands back the value of each test's call and the
                 trusted side compares it with the assert's expected value (rl.verify); 1.0 iff
                 every test passes;
-    tool        posttrain.chat_template tool calls (calculator, search_docs of posttrain.sft_data)
+    tool        chat.template tool calls (calculator, search_docs of posttrain.sft_data)
                 are executed for real; the transcript's tool responses, where present, must be
                 what the tool returns; the final message's answer is compared as in math.
 Re-checks (RECHECKS, @register_recheck): an independent check of a rewarded sample, never a
@@ -45,10 +45,17 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Callable, Sequence
 
-from rl.sample import Task
+from domains.task import Task
 from rl.sandbox import SandboxLimits
-from rl.verify import CallCheck, Recheck, UnverifiableTest, checks_from_asserts, judge, recheck, run_calls
-
+from rl.verify import (
+    CallCheck,
+    Recheck,
+    UnverifiableTest,
+    checks_from_asserts,
+    judge,
+    recheck,
+    run_calls,
+)
 
 __all__ = ["Task", "RewardOutcome", "REWARDS", "RECHECKS", "register_reward", "register_recheck", "score_sample",
            "recheck_sample", "recheck_outcome", "RewardWorker",
@@ -192,8 +199,12 @@ def _sympy_expr(s: str):
         return None
     if any(len(w) > 1 and w not in _NAMES_OK for w in re.findall(r"[a-zA-Z]+", plain)):
         return None
-    from sympy.parsing.sympy_parser import (convert_xor, implicit_multiplication_application,
-                                            parse_expr, standard_transformations)
+    from sympy.parsing.sympy_parser import (
+        convert_xor,
+        implicit_multiplication_application,
+        parse_expr,
+        standard_transformations,
+    )
     try:
         return parse_expr(plain, transformations=standard_transformations
                           + (implicit_multiplication_application, convert_xor), evaluate=True)
@@ -315,12 +326,12 @@ def code_recheck(text: str, task: Task) -> RewardOutcome:
 # ---------------------------------------------------------------- tool
 @functools.lru_cache(maxsize=1)
 def _doc_index():
-    from posttrain.sft_data import DocIndex, SFTDataConfig, stdlib_functions
-    return DocIndex(stdlib_functions(), SFTDataConfig.model_fields["max_doc_chars"].default)
+    from domains.tools import MAX_DOC_CHARS, DocIndex, stdlib_functions
+    return DocIndex(stdlib_functions(), MAX_DOC_CHARS)
 
 
 def _calculator(args: dict) -> str:
-    from posttrain.sft_data import calculator
+    from domains.tools import calculator
     return calculator(str(args["expression"]))
 
 
@@ -350,8 +361,8 @@ _TOOL_RESPONSE = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.S)
 def tool_reward(text: str, task: Task) -> RewardOutcome:
     """`text` is the assistant side of a tool-using rollout: assistant messages separated by
     <|observation|><tool_response>...</tool_response> blocks and <|assistant|>."""
-    from posttrain.chat_template import ASSISTANT, OBSERVATION, parse_assistant
-    from posttrain.sft_data import CALCULATOR, SEARCH_DOCS
+    from chat.template import ASSISTANT, OBSERVATION, parse_assistant
+    from domains.tools import CALCULATOR, SEARCH_DOCS
 
     schemas = [CALCULATOR, SEARCH_DOCS]
     calls, final = 0, None

@@ -2,7 +2,7 @@
 
 The engine holds its own copy of the weights, as an inference server does: `sync(policy,
 version)` copies the trainer's weights in (a version number per sync, stamped on every token
-it generates). With `int4` set, the copy is fake-quantized to INT4 (posttrain.qat, the QAT path
+it generates). With `int4` set, the copy is fake-quantized to INT4 (quant.qat, the QAT path
 GLM-5 deploys), so rollouts come from a model that differs from the full-precision one being
 trained: a real train/inference mismatch for IcePop to correct.
 
@@ -17,11 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
+from chat.template import Message, encode
+from domains.task import Task
 from model.generate import generate
 from model.model import GLMModel
-from posttrain.chat_template import Message, encode
-from posttrain.qat import QATConfig, prepare_qat
-from rl.sample import Sample, Status, Task
+from quant.qat import QATConfig, prepare_qat
+from rl.sample import Sample, Status
 
 
 @dataclass(frozen=True)

@@ -34,10 +34,10 @@ def serve(address: tuple[str, int], worker_id: str) -> None:
     import torch
 
     torch.set_num_threads(int(cfg.get("threads", 1)))
+    from chat.template import STOP_TOKENS
     from data_processing.tokenizer import load_tokenizer
     from model.hf import load_state
-    from posttrain.chat_template import STOP_TOKENS
-    from posttrain.qat import QATConfig
+    from quant.qat import QATConfig
     from rl.agent import context_for, prompt_tools, run_group
     from rl.envs import make_env
     from rl.rollout import RolloutEngine, SamplingParams

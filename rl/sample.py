@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+
+from domains.task import Task
 
 
 class Status(str, Enum):
@@ -17,15 +18,6 @@ class Status(str, Enum):
     ABORTED = "aborted"            # generation was cancelled (never trained)
     REWARD_ERROR = "reward_error"  # the reward function failed or timed out (never trained)
 
-
-@dataclass(frozen=True)
-class Task:
-    """One prompt of a verifiable domain. `meta` is JSON-serialisable (tests, tool specs, ids)."""
-
-    domain: str
-    prompt: str
-    answer: str
-    meta: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -4,7 +4,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from rl.sample import Sample, Status, Task
+from domains.task import Task
+from rl.sample import Sample, Status
 
 
 def task_to_dict(t: Task) -> dict[str, Any]:

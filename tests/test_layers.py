@@ -1,11 +1,14 @@
-"""Imports point down only:
+"""Imports point down only, never up and never sideways:
 
     flows -> tasks -> glmforge (the application: registry, config, CLI, curate, serve)
-          -> libraries (data_processing, training, posttrain, rl, evals)
-          -> the glmforge contract (stage, store, runner, shutdown) and model -> kernels
+          -> posttrain (stage drivers) -> rl (the RL library) -> training
+          -> domains (tasks, tools, prompt pools) -> chat, quant, evals -> data_processing
+          -> the glmforge contract (stage, store, runner, shutdown) -> model -> kernels
 
-Libraries never import Prefect, the application or the flows; the contract knows no concrete
-stage. The CLI starts flows by entrypoint (the strings prefect.yaml deploys), not by import."""
+A library imports itself and the ranks below it; two libraries of one rank (chat, quant, evals)
+do not import each other. Libraries never import Prefect, the application or the flows; the
+contract knows no concrete stage. The CLI starts flows by entrypoint (the strings prefect.yaml
+deploys), not by import."""
 from __future__ import annotations
 
 import ast
@@ -14,9 +17,10 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-LIBRARIES = ("data_processing", "training", "posttrain", "rl", "evals")
+LIBRARIES = ("data_processing", "chat", "quant", "evals", "domains", "training", "rl", "posttrain")
 CONTRACT = ("glmforge.stage", "glmforge.store", "glmforge.runner", "glmforge.shutdown")
-RANK = {"kernels": 0, "model": 1, **{lib: 2 for lib in LIBRARIES}, "glmforge": 3, "tasks": 4, "flows": 5}
+RANK = {"kernels": 0, "model": 1, "data_processing": 2, "chat": 3, "quant": 3, "evals": 3, "domains": 4,
+        "training": 5, "rl": 6, "posttrain": 7, "glmforge": 8, "tasks": 9, "flows": 10}
 
 
 def _rank(module: str) -> float | None:
@@ -42,8 +46,12 @@ def test_imports_point_down_only():
         for path in sorted((REPO / top).rglob("*.py")):
             me = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
             for name in sorted(_imports(path)):
-                if _rank(name) is not None and _rank(name) > _rank(me):
+                if _rank(name) is None:
+                    continue
+                if _rank(name) > _rank(me):
                     upward.append(f"{me} imports {name}")
+                elif _rank(name) == _rank(me) and name.split(".")[0] != top and _rank(me) != 1.5:
+                    upward.append(f"{me} imports {name} (sideways)")
                 if top in LIBRARIES + ("model", "kernels") and name.split(".")[0] == "prefect":
                     upward.append(f"{me} imports {name} (library code does not import Prefect)")
     assert upward == []
@@ -56,3 +64,14 @@ def test_the_cli_starts_the_flows_prefect_deploys():
     for ref in (PIPELINE_FLOW, STAGE_FLOW):
         module, attr = ref.split(":")
         assert f"{module.replace('.', '/')}.py:{attr}" in deployed
+
+
+def test_no_two_classes_share_a_name():
+    """One name per thing: a class name names one class in the project's modules."""
+    where: dict[str, list[str]] = {}
+    for top in RANK:
+        for path in sorted((REPO / top).rglob("*.py")):
+            for node in ast.parse(path.read_text()).body:
+                if isinstance(node, ast.ClassDef):
+                    where.setdefault(node.name, []).append(str(path.relative_to(REPO)))
+    assert {k: v for k, v in where.items() if len(v) > 1} == {}

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal, Union
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from posttrain.qat import QATConfig, prepare_qat
+from quant.qat import QATConfig, prepare_qat
 from training.dsa_loss import IndexerWarmup, SparseAdaptation
 
 BASE_METRICS = ("loss", "lm", "mtp", "balance")

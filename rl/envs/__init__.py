@@ -26,7 +26,7 @@ Environments:
     swe_repair   fix an injected bug in an MBPP solution: read_file / write_file / run_tests
     terminal     shell tasks in a sandboxed working folder: run(command); a verifier script checks
     search       questions over the stdlib docstrings: search(query) / open(name)
-    calc_arith   rl.arithmetic addition with a calculator tool (the tiny CPU preset)
+    calc_arith   domains.arithmetic addition with a calculator tool (the tiny CPU preset)
 
 manage_context (rl.envs.context) is the keep-recent-k / token-threshold context manager that
 rl.agent.run_group takes as `context=` (bind its arguments with context_manager(...)).
@@ -37,9 +37,9 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
-from posttrain.chat_template import ToolCall
+from chat.template import ToolCall
 from rl.rewards import RewardOutcome, recheck_outcome
-from rl.sample import Task
+from domains.task import Task
 
 __all__ = ["Environment", "StepResult", "ENVIRONMENTS", "register_env", "make_env", "tasks_for", "function_spec",
            "draw", "ToolCall", "RewardOutcome", "recheck_outcome", "manage_context", "context_manager", "TemplateTokenCounter"]

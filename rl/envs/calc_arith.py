@@ -1,4 +1,4 @@
-"""calc_arith: rl.arithmetic's addition prompt with a calculator tool, for the tiny CPU preset.
+"""calc_arith: domains.arithmetic's addition prompt with a calculator tool, for the tiny CPU preset.
 
 The first user message is the plain arithmetic prompt (" 3 4 + 5 7 ="), so a model SFT-trained on
 the arithmetic domain (sampled accuracy ~0.3-0.6) already gets reward without the tool: GRPO has
@@ -21,13 +21,12 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
-from posttrain.chat_template import ToolCall
-from rl import arithmetic
+from chat.template import ToolCall
+from domains import arithmetic
+from domains.task import Task
+from domains.tools import CALCULATOR, calculator
 from rl.envs import RewardOutcome, StepResult, check_args, draw, register_env
 from rl.rewards import arithmetic_reward
-from rl.sample import Task
-from posttrain.sft_data import CALCULATOR, calculator
-
 
 _SPACED_DIGITS = re.compile(r"(?<=\d) +(?=\d)")     # "3 4" -> "34"
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from typing import Callable, Sequence
 
-from posttrain.chat_template import Message, encode
+from chat.template import Message, encode
 
 ELIDED = "[result elided]"
 RESET_NOTE = "[Context reset: {n} earlier messages were removed to stay under {max_tokens} tokens. " \

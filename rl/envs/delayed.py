@@ -14,9 +14,9 @@ import random
 import time
 from typing import Any, Sequence
 
-from posttrain.chat_template import ToolCall
+from chat.template import ToolCall
+from domains.task import Task
 from rl.envs import RewardOutcome, StepResult, make_env, register_env, tasks_for
-from rl.sample import Task
 
 
 @register_env("delayed")

@@ -23,9 +23,16 @@ import zlib
 from collections import Counter
 from typing import Sequence
 
-from posttrain.chat_template import ToolCall
-from rl.envs import RewardOutcome, StepResult, check_args, draw, function_spec, register_env
-from rl.sample import Task
+from chat.template import ToolCall
+from domains.task import Task
+from rl.envs import (
+    RewardOutcome,
+    StepResult,
+    check_args,
+    draw,
+    function_spec,
+    register_env,
+)
 
 TOP_K = 5
 HELDOUT_PER_MILLE = 200
@@ -64,7 +71,7 @@ class BM25:
 @functools.lru_cache(maxsize=2)
 def _corpus(max_chars: int):
     """(functions by name, BM25, DocIndex): built once per process, never pickled."""
-    from posttrain.sft_data import DocIndex, stdlib_functions
+    from domains.tools import DocIndex, stdlib_functions
     fns = stdlib_functions()
     return {f.name: f for f in fns}, BM25({f.name: f.doc for f in fns}), DocIndex(fns, max_chars)
 

@@ -43,9 +43,17 @@ import zlib
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from posttrain.chat_template import ToolCall
-from rl.envs import RewardOutcome, StepResult, check_args, draw, function_spec, recheck_outcome, register_env
-from rl.sample import Task
+from chat.template import ToolCall
+from domains.task import Task
+from rl.envs import (
+    RewardOutcome,
+    StepResult,
+    check_args,
+    draw,
+    function_spec,
+    recheck_outcome,
+    register_env,
+)
 from rl.sandbox import SandboxLimits, run_python
 from rl.verify import CallCheck, checks_from_asserts, judge, recheck, run_calls
 

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Callable, Sequence
 
-from posttrain.chat_template import ToolCall
+from chat.template import ToolCall
+from domains.task import Task
 from rl.envs import RewardOutcome, StepResult, check_args, function_spec, register_env
-from rl.sample import Task
 from rl.sandbox import SandboxLimits, run_command
 
 OUTPUT_CHARS = 4096

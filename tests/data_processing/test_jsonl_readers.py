@@ -25,7 +25,7 @@ def test_text_source_and_eval_selection_keep_unicode_line_separators(tmp_path):
 
 
 def test_other_project_readers_keep_unicode_line_separators(tmp_path):
-    from posttrain.sft_data import read_gsm8k
+    from domains.gsm8k import read_gsm8k
     from rl.envs.swe_repair import load_instances
     from training.metrics import read
 

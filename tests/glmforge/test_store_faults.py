@@ -224,17 +224,17 @@ def small_disk(tmp_path, monkeypatch):
 def test_checkpoint_disk_full_clear_error_previous_loads(small_disk):
     import torch
 
-    from posttrain.rl_reasoning import save_checkpoint
+    from rl import trainer
     from training import checkpoint
 
     root = small_disk / "ckpt"
     small = torch.nn.Linear(8, 8)
     opt = torch.optim.SGD(small.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(3)
-    save_checkpoint(root, 10, small, opt, gen, {"acc": 0.5}, keep_last=3)
+    trainer.save(root, 10, trainer.Policy(small, opt, gen), {"acc": 0.5}, keep_last=3)
     big = torch.nn.Linear(256, 256)  # 257 KiB of weights: cannot fit next to the first one
     with pytest.raises(checkpoint.CheckpointSpaceError) as err:
-        save_checkpoint(root, 20, big, torch.optim.SGD(big.parameters(), lr=0.1), gen, {}, keep_last=3)
+        trainer.save(root, 20, trainer.Policy(big, torch.optim.SGD(big.parameters(), lr=0.1), gen), {}, keep_last=3)
     msg = str(err.value)
     assert str(root.resolve()) in msg and "step_00000020" in msg and "step_00000010" in msg
     assert err.value.errno == errno.ENOSPC

@@ -3,8 +3,19 @@ import random
 
 import pytest
 
-from posttrain.chat_template import (EOS, OBSERVATION, STOP_TOKENS, USER, Message, ToolCall, assistant_text,
-                                     encode, parse_assistant, render, render_value)
+from chat.template import (
+    EOS,
+    OBSERVATION,
+    STOP_TOKENS,
+    USER,
+    Message,
+    ToolCall,
+    assistant_text,
+    encode,
+    parse_assistant,
+    render,
+    render_value,
+)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "forecast", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},

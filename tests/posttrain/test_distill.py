@@ -8,14 +8,22 @@ import json
 import pytest
 import torch
 
+from chat.template import STOP_TOKENS
+from domains import arithmetic
+from domains.task import Task
 from glmforge.stage import Workdir
-from posttrain.distill import DistillConfig, check_teacher, distill_step, recovery, run_distill, teacher_logprobs
-from posttrain.chat_template import STOP_TOKENS
-from rl import arithmetic
+from posttrain.distill import (
+    DistillConfig,
+    check_teacher,
+    distill_step,
+    recovery,
+    run_distill,
+    teacher_logprobs,
+)
 from rl.grpo import UpdateParams
 from rl.opd import opd_loss, token_advantages
 from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
-from rl.sample import Sample, Task
+from rl.sample import Sample
 from tests.posttrain._chain import artifacts, make_tokenizer
 from tests.rl.conftest import small_model
 

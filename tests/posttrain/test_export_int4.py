@@ -6,8 +6,8 @@ from safetensors.torch import load_file
 
 from kernels.int4 import quantize_int4
 from model.hf import load_pretrained
-from posttrain.export_int4 import _pack_int32, export_all, export_int4, quantized_hf_weights
-from posttrain.qat import QATConfig, prepare_qat
+from quant.export import _pack_int32, export_all, export_int4, quantized_hf_weights
+from quant.qat import QATConfig, prepare_qat
 from tests.posttrain.conftest import small_model
 
 try:

@@ -31,7 +31,7 @@ def test_an_accuracy_drop_within_the_evals_noise_does_not_fail():
     # a share of 0 or 1 still has one flip's noise; perplexity has no binomial noise
     assert gates.noise(1.0, 1.0, 100) == pytest.approx(2 * (2 * 0.01 * 0.99 / 100) ** 0.5)
     assert "noise" not in gates.gate({"heldout_ppl": 10.0}, {"heldout_ppl": 20.0}, {"heldout_ppl": 0.5}, large)["heldout_ppl"]
-    from rl import arithmetic
+    from domains import arithmetic
     assert gates.counts(gates.GateEvalConfig(arithmetic=5000))["arithmetic_acc"] == len(arithmetic.pairs("heldout"))
 
 

@@ -9,14 +9,30 @@ import time
 import pytest
 import torch
 
+from chat.template import pair_text_ids
+from domains.task import Task
 from glmforge.stage import Workdir
 from posttrain import gates
-from posttrain.reward_model import RewardModel, RewardModelConfig, load_reward_model, mutate_code, pair_text_ids, \
-    pairwise_accuracy, run_reward_model
+from posttrain.reward_model import (
+    RewardModel,
+    RewardModelConfig,
+    load_reward_model,
+    mutate_code,
+    pairwise_accuracy,
+    run_reward_model,
+)
 from posttrain.rl_general import RLGeneralConfig, run_rl_general, verified_accuracy
-from rl.judges import JudgeService, combine, disagreement, grm_judge, orm_judge, parse_grm_score, rule_reward, \
-    score_token_ids
-from rl.sample import Sample, Task
+from rl.judges import (
+    JudgeService,
+    combine,
+    disagreement,
+    grm_judge,
+    orm_judge,
+    parse_grm_score,
+    rule_reward,
+    score_token_ids,
+)
+from rl.sample import Sample
 from tests.posttrain._chain import artifacts, make_tokenizer
 
 EVALS = {"arithmetic": 4, "gsm8k": 2, "gsm8k_max_new_tokens": 4, "tool": 2, "tool_max_new_tokens": 4}
@@ -154,7 +170,7 @@ def test_orm_judge_standardises_and_grm_reads_the_expected_verdict(inputs):
 
 def test_verified_accuracy_checks_only_sources_with_a_safe_checker(inputs):
     from data_processing.tokenizer import load_tokenizer
-    from posttrain.sft_data import CALCULATOR
+    from domains.tools import CALCULATOR
 
     tok = load_tokenizer(inputs["tokenize"])
 

@@ -2,11 +2,22 @@ import pydantic
 import pytest
 import torch
 
-import posttrain.qat as qat
+import quant.qat as qat
 from kernels.int4 import int4_scales
 from model.model import GLMModel
-from posttrain.qat import (Int4Experts, Int4Linear, QATConfig, convert_int4, int4_bytes, load_int4_model,
-                           prepare_qat, ptq_int4, quantized_tensor_names, remove_qat, save_int4)
+from quant.qat import (
+    Int4Experts,
+    Int4Linear,
+    QATConfig,
+    convert_int4,
+    int4_bytes,
+    load_int4_model,
+    prepare_qat,
+    ptq_int4,
+    quantized_tensor_names,
+    remove_qat,
+    save_int4,
+)
 from tests.posttrain.conftest import small_model
 
 ALL_ON = QATConfig(indexer=True, head=True, embeddings=True)
@@ -187,7 +198,7 @@ def test_int4_bytes_are_a_quarter_of_fp16_plus_scales(tmp_path):
 
 
 def test_lsq_starts_at_round_to_nearest_learns_its_scales_and_bakes_with_them():
-    from posttrain.qat import enable_lsq, fake_quantize_lsq, lsq_parameters
+    from quant.qat import enable_lsq, fake_quantize_lsq, lsq_parameters
 
     # the LSQ quantizer on hand-checked values: group of 4, scale 0.5 -> round(w / 0.5) * 0.5,
     # clamped to [-8, 7] * 0.5; the scale's gradient is LSQ's (round(v) - v inside, the clamp

@@ -96,8 +96,8 @@ cfg = RLAgenticConfig(steps=1000, prompts_per_step=2, group_size=3, max_new_toke
 inputs = {{"tokenize": Path({str(inputs["tokenize"])!r}), "rl-reasoning": Path({str(inputs["rl-reasoning"])!r})}}
 try:
     run_rl_agentic(cfg, inputs, Workdir.at(Path({str(tmp_path)!r}), seed=1))
-except KeyboardInterrupt:
-    sys.exit(143)
+except shutdown.Preempted:
+    sys.exit(75)
 """
     proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
     workers = []
@@ -108,7 +108,8 @@ except KeyboardInterrupt:
     workers = [int(p) for p in out if open(f"/proc/{p}/stat").read().split()[3] == str(proc.pid)]
     assert len(workers) >= 2, "the stage never started its rollout workers"
     os.kill(proc.pid, signal.SIGTERM)
-    assert proc.wait(timeout=60) == 143
+    assert proc.wait(timeout=60) == 75                  # the step in flight finished and was checkpointed
+    assert (tmp_path / "checkpoint" / "ckpt" / "latest").exists()
     time.sleep(0.5)
     alive = [p for p in workers if os.path.exists(f"/proc/{p}") and "rl.rollout_worker" in open(f"/proc/{p}/cmdline").read()]
     assert not alive, f"rollout workers outlived the stage: {alive}"

@@ -7,10 +7,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from domains.task import Task
 from glmforge.stage import Workdir
 from model.hf import save_state
 from posttrain.rl_reasoning import RLReasoningConfig, draw_tasks, run_rl_reasoning
-from rl.sample import Task
 from tests.rl.conftest import small_model
 
 

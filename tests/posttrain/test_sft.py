@@ -13,23 +13,44 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from chat.template import THINKING_MODES, parse_assistant
 from data_processing.packing import PackedDataset
 from data_processing.tokenizer import load_tokenizer
+from domains.tools import (
+    CALCULATOR,
+    SEARCH_DOCS,
+    DocIndex,
+    calculator,
+    format_number,
+    stdlib_functions,
+)
 from glmforge.stage import Workdir
-from model.config import tiny
+from model.config import preset, tiny
 from model.hf import load_state, save_state
 from model.model import GLMModel
-from posttrain.chat_template import THINKING_MODES, parse_assistant
-from posttrain.qat import QATConfig, _is_qat
+from posttrain.sft import (
+    BASE,
+    MODELS,
+    RECOVERY_TARGET,
+    SFTConfig,
+    evaluate_quantization,
+    gsm8k_accuracy,
+    perplexity,
+    recovery,
+    run_sft,
+    summarize,
+)
+from posttrain.sft_data import (
+    SFTDataConfig,
+    build_samples,
+    build_sft_data,
+    gsm8k_splits,
+)
+from quant.qat import QATConfig, _is_qat
 from tests.training.conftest import MODEL_OVERRIDES
 from training import checkpoint, metrics
 from training.data import IGNORE, collate, doc_ids_from_starts, eval_batches
-from model.config import preset
 from training.objectives import SFTObjective, SFTSpec, build_objective
-from posttrain.sft import (BASE, MODELS, RECOVERY_TARGET, SFTConfig, evaluate_quantization, gsm8k_accuracy,
-                          perplexity, recovery, run_sft, summarize)
-from posttrain.sft_data import (CALCULATOR, SEARCH_DOCS, DocIndex, SFTDataConfig, build_samples, build_sft_data,
-                               calculator, format_number, gsm8k_splits, stdlib_functions)
 
 SEQ = 512
 DATA = SFTDataConfig(reasoning=36, tool_calc=18, tool_docs=9, code=9, val_per_kind=3)
@@ -218,7 +239,7 @@ def test_the_rank_spec_carries_the_objective_typed():
 def test_fake_quantization_starts_at_its_step():
     from model.config import preset
     from model.model import GLMModel
-    from posttrain.qat import quantized_modules
+    from quant.qat import quantized_modules
 
     model = GLMModel(preset("tiny", num_layers=1, first_k_dense=1, vocab_size=64))
     objective = SFTObjective(SFTSpec(qat=QATConfig(group_size=16), qat_start_step=3))

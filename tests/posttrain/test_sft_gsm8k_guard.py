@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from posttrain.sft_data import SFTDataConfig, read_gsm8k
+from domains.gsm8k import read_gsm8k
+from posttrain.sft_data import SFTDataConfig
 
 
 @pytest.mark.parametrize("path", ["{samples}/gsm8k/test.jsonl", "s3://bucket/evals/gsm8k-test.jsonl", "/d/TEST.jsonl"])
@@ -25,7 +26,8 @@ def test_shipped_test_split_reads_for_evaluation():
 
 
 def test_arithmetic_demos_offer_the_calculator_to_a_share_and_answer_directly():
-    from posttrain.sft_data import CALCULATOR, arithmetic_samples
+    from domains.tools import CALCULATOR
+    from posttrain.sft_data import arithmetic_samples
 
     plain = arithmetic_samples(400, "train", seed=3, corrupt=0.0)
     mixed = arithmetic_samples(400, "train", seed=3, corrupt=0.0, with_tools=0.25)
@@ -41,9 +43,10 @@ def test_arithmetic_demos_offer_the_calculator_to_a_share_and_answer_directly():
 def test_arithmetic_tool_call_demos_are_what_calc_arith_returns():
     # the demonstration's call, run through the agentic environment, prints exactly the observation
     # the demonstration shows; the final answer copies it (one wrong digit where corrupted)
-    from posttrain.sft_data import CALCULATOR, arithmetic_samples
+    from domains.task import Task
+    from domains.tools import CALCULATOR
+    from posttrain.sft_data import arithmetic_samples
     from rl.envs import make_env
-    from rl.sample import Task
 
     demos = [s for s in arithmetic_samples(400, "train", seed=3, corrupt=0.3, tool_calls=0.25) if s.tools]
     assert 70 <= len(demos) <= 130 and all(s.tools == (CALCULATOR,) for s in demos)

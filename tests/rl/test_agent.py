@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from posttrain.chat_template import OBSERVATION, EOS, Message, ToolCall, assistant_text, encode
+from chat.template import EOS, OBSERVATION, Message, ToolCall, assistant_text, encode
+from domains.task import Task
 from rl.agent import observation_ids, run_group
 from rl.rollout import SamplingParams
-from rl.sample import Status, Task
+from rl.sample import Status
 
 CALC = {"type": "function", "function": {"name": "calculator", "description": "add",
                                          "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}

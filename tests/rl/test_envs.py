@@ -14,11 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.chat_template import EOS, OBSERVATION, Message, ToolCall, assistant_text
+from chat.template import EOS, OBSERVATION, Message, ToolCall, assistant_text
 from rl.agent import run_group
-from rl.envs import ENVIRONMENTS, make_env, tasks_for
-from rl.envs import swe_repair, terminal
-from rl.envs.context import ELIDED, TemplateTokenCounter, context_manager, manage_context
+from rl.envs import ENVIRONMENTS, make_env, swe_repair, tasks_for, terminal
+from rl.envs.context import (
+    ELIDED,
+    TemplateTokenCounter,
+    context_manager,
+    manage_context,
+)
 from rl.rollout import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]

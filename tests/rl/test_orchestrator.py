@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import time
 
-from rl import arithmetic
+from domains import arithmetic
+from domains.task import Task
 from rl.orchestrator import WorkerPool
-from rl.sample import Task
 from tests.rl.conftest import small_model
 
 

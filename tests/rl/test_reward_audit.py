@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from domains.pools import mbpp_tasks
 from rl import reward_audit
 from rl.envs import make_env, tasks_for
 from rl.rewards import RewardWorker
 from rl.sample import Sample
-from rl.tasks import mbpp_tasks
 
 MBPP = "samples/mbpp/mbpp.jsonl"
 

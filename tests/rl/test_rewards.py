@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.chat_template import ASSISTANT, EOS, OBSERVATION, Message, ToolCall, assistant_text
+from chat.template import ASSISTANT, EOS, OBSERVATION, Message, ToolCall, assistant_text
+from domains.tools import DocIndex, calculator, stdlib_functions
+from posttrain.sft_data import SFTDataConfig
 from rl.rewards import REWARDS, RewardWorker, Task, equivalent, score_sample
 from rl.sandbox import isolation
-from posttrain.sft_data import DocIndex, SFTDataConfig, calculator, stdlib_functions
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -4,10 +4,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.chat_template import STOP_TOKENS
-from posttrain.qat import QATConfig
-from rl import arithmetic
-from rl.grpo import UpdateParams, assign_advantages, collate, recompute_old_logprobs, update
+from chat.template import STOP_TOKENS
+from domains import arithmetic
+from quant.qat import QATConfig
+from rl.grpo import (
+    UpdateParams,
+    assign_advantages,
+    collate,
+    recompute_old_logprobs,
+    update,
+)
 from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
 from rl.sample import Sample, Status
 from tests.rl.conftest import small_model
@@ -54,7 +60,7 @@ def test_int4_rollouts_differ_from_the_trained_weights(tokenizer):
 
 
 def test_collate_aligns_response_tokens_with_targets():
-    from rl.sample import Task
+    from domains.task import Task
 
     s = Sample(Task("arithmetic", "", ""), 0, [5, 6, 7], [8, 9], rollout_logprobs=[-0.5, -0.25],
                loss_mask=[1, 1], advantage=1.5)

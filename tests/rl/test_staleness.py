@@ -1,8 +1,9 @@
 """Admission control, stale-sample dropping, group validity, and the routing ring."""
 from __future__ import annotations
 
+from domains.task import Task
 from rl.orchestrator import HashRing
-from rl.sample import Sample, Status, Task
+from rl.sample import Sample, Status
 from rl.staleness import admit, filter_groups, lag
 
 T = Task("x", "", "")

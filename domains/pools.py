@@ -1,6 +1,6 @@
-"""Prompt pools of the verifiable domains, as rl.sample.Task lists.
+"""Prompt pools of the verifiable domains, as domains.task.Task lists.
 
-    arithmetic  rl.arithmetic, train pairs (held-out pairs are for evaluation only)
+    arithmetic  domains.arithmetic, train pairs (held-out pairs are for evaluation only)
     math        GSM8K train problems after the lines SFT holds out (final answer after ####)
     code        MBPP training ids (601-974): description + one example assert; all asserts run
     tool        GSM8K train problems answered with the calculator tool (XML tool calls)
@@ -13,15 +13,15 @@ import json
 from pathlib import Path
 
 from data_processing.common import expand_path
-from rl import arithmetic
-from rl.sample import Task
+from domains import arithmetic
+from domains.task import Task
 
 MBPP_TRAIN_IDS = range(601, 975)
 DOMAINS = ("arithmetic", "math", "code", "tool")
 
 
 def gsm8k_tasks(path: str, skip: int, domain: str = "math") -> list[Task]:
-    from posttrain.sft_data import read_gsm8k
+    from domains.gsm8k import read_gsm8k
 
     return [Task(domain, p.question, p.answer, {"line": skip + i + 1})
             for i, p in enumerate(read_gsm8k(path)[skip:])]

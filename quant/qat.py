@@ -43,7 +43,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from kernels.int4 import QMAX, QMIN, dequantize_int4, fake_quantize_int4, int4_matmul, pack_int4, quantize_int4
+from kernels.int4 import (
+    QMAX,
+    QMIN,
+    dequantize_int4,
+    fake_quantize_int4,
+    int4_matmul,
+    pack_int4,
+    quantize_int4,
+)
 from kernels.int4 import int4_scales as kernels_int4_scales
 from model.config import ModelConfig
 from model.model import GLMModel
@@ -94,7 +102,7 @@ def _kind(name: str, module: nn.Module) -> str | None:
         return "dense_mlp"
     if name == "mtp.eh_proj":
         return "mtp"
-    raise ValueError(f"linear {name!r} has no QAT kind; classify it in posttrain.qat._kind")
+    raise ValueError(f"linear {name!r} has no QAT kind; classify it in quant.qat._kind")
 
 
 def _param_names(module: nn.Module) -> tuple[str, ...]:

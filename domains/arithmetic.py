@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 import zlib
 
-from rl.sample import Task
+from domains.task import Task
 
 DOMAIN = "arithmetic"
 DIGITS = 2                  # operand digits: two-digit addition, at the tiny model's edge

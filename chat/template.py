@@ -461,3 +461,13 @@ def parse_assistant(text: str, tools: Sequence[dict] | None = None) -> ParseResu
                 errors.append(f"tool call {c.name!r}: no such tool")
     return ParseResult(Message("assistant", content=content, reasoning=reasoning, tool_calls=tuple(calls)),
                        tuple(errors), stop)
+
+
+def pair_text_ids(tokenizer, prompt: str, reply: str, max_len: int) -> tuple[list[int], int]:
+    """The conversation's ids (the last max_len kept) and where the reply starts in them."""
+    user = [Message("user", prompt, thinking=False)]
+    head = encode(tokenizer, user, thinking_mode="turn", add_generation_prompt=True).ids
+    ids = encode(tokenizer, [*user, Message("assistant", reply)], thinking_mode="turn").ids
+    start = next((i for i, (a, b) in enumerate(zip(head, ids)) if a != b), min(len(head), len(ids)))
+    cut = max(0, len(ids) - max_len)
+    return ids[cut:], max(1, start - cut)

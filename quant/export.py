@@ -38,7 +38,7 @@ from kernels.int4 import pack_int4, quantize_int4
 from model.hf import TOKENIZER_FILES, save_pretrained, to_hf_config, to_hf_state_dict
 from model.model import GLMModel
 from model.moe import Experts
-from posttrain.qat import QATConfig, quantized_modules
+from quant.qat import QATConfig, quantized_modules
 
 FORMAT = "pack-quantized"
 

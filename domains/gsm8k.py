@@ -1,0 +1,50 @@
+"""GSM8K records: question, human-written rationale (calculator annotations lifted out) and the
+final answer."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from data_processing.common import expand_path
+from domains.tools import format_number
+
+_ANNOT = re.compile(r"<<([^<>=]*)=([^<>]*)>>")
+
+
+@dataclass(frozen=True)
+class Problem:
+    question: str
+    rationale: str     # human-written steps, annotations removed
+    answer: str        # the final number after ####
+    calls: tuple[tuple[str, str, str], ...]   # (text before the call on its line, expression, annotated result)
+
+
+def read_gsm8k(path: str | Path) -> list[Problem]:
+    out = []
+    for line in Path(expand_path(path)).read_text(encoding="utf-8").split("\n"):  # not splitlines(): U+2028
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        body, _, final = rec["answer"].rpartition("####")
+        calls = []
+        for ln in body.strip().splitlines():
+            for m in _ANNOT.finditer(ln):
+                calls.append((_ANNOT.sub("", ln[: m.start()]).strip(), m.group(1).strip(), m.group(2).strip()))
+        out.append(Problem(rec["question"].strip(), _ANNOT.sub("", body).strip(), final.strip().replace(",", ""),
+                           tuple(calls)))
+    return out
+
+
+def extract_answer(text: str) -> str | None:
+    """The final number of a reply: after '####' when present, else the last number."""
+    tail = text.rpartition("####")[2] if "####" in text else text
+    nums = re.findall(r"-?\d[\d,]*\.?\d*", tail)
+    if not nums:
+        return None
+    n = nums[-1].replace(",", "").rstrip(".")
+    try:
+        return format_number(float(n))
+    except ValueError:
+        return None

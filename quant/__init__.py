@@ -1,0 +1,2 @@
+"""INT4: fake quantization for QAT and rollouts (qat.py) and the compressed-tensors export
+(export.py)."""
