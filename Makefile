@@ -26,6 +26,7 @@ $(VENV)/.installed: requirements-cpu.txt requirements-dev.txt pyproject.toml
 demo: setup
 	$(VENV)/bin/glmforge run --preset tiny
 	$(VENV)/bin/glmforge status
+	$(VENV)/bin/glmforge report
 
 # the recipe's effects on the small preset (README): DSA vs full vs SWA, then QAT vs PTQ in SFT;
 # about 32 minutes on 2 cores (the RL stages after sft show nothing more on small)

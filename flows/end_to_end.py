@@ -8,6 +8,8 @@ from prefect import flow
 from glmforge.config import check_preemptions, load_config, pipeline_model
 from glmforge.pipeline import STAGES, get_stage, stages_until
 from glmforge.runner import Runner, RunRecord, execute
+from glmforge.shutdown import Preempted
+from tasks.report import publish_run_report
 from tasks.stages import run_in_prefect
 from tasks.store import configured_store
 
@@ -32,7 +34,14 @@ def pipeline(
     specs = stages_until(until)
     runner = Runner(cfg, configured_store(cfg.store, store), STAGES)
     record = RunRecord.new(cfg, _source(preset, config_file, overrides, until), [s.name for s in specs])
-    execute(runner, specs, record, run_one=lambda spec, parents: run_in_prefect(spec, cfg.tasks, runner, parents))
+    try:
+        execute(runner, specs, record, run_one=lambda spec, parents: run_in_prefect(spec, cfg.tasks, runner, parents))
+    except Preempted:
+        raise  # the pod is being stopped: its grace period is the checkpoint's, not a report's
+    except Exception:
+        publish_run_report(runner.store, record)  # a failed run's page says where and how to resume
+        raise
+    publish_run_report(runner.store, record)
     return record.public()
 
 

@@ -289,6 +289,28 @@ def status(
     _print_stages(public)
 
 
+@app.command()
+def report(
+    run_id: Optional[str] = typer.Option(None, "--run", help="run id (default: the latest run)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="folder for run-ID.html (default: $GLMFORGE_HOME/reports)"),
+    store: Optional[str] = StoreOpt,
+) -> None:
+    """Write one self-contained HTML page of a run (stages, curation funnel, loss and reward
+    curves, quantization, gates, lineage) from the store alone; print its path."""
+    from glmforge.report import write_report
+    from glmforge.runner import RunRecord
+
+    st = _store(store)
+    record = RunRecord.load(st, run_id)
+    if record is None:
+        _fail(f"no run {run_id!r} in {st.uri}" if run_id else f"no run recorded in {st.uri}")
+    try:
+        path = write_report(st, record, out)
+    except OSError as e:
+        _fail(f"cannot write the report: {e}")
+    typer.echo(path)
+
+
 def _resolve_ref(st, ref: str):
     from glmforge.artifacts import resolve
 

@@ -366,7 +366,8 @@ class RunRecord:
         return {
             "run": {"id": self.id, "state": self.shown_state(), "started": self.started, "finished": self.finished,
                     "heartbeat": self.heartbeat, **self.source},
-            "stages": [{k: s[k] for k in ("name", "key", "state", "metrics", "artifact", "error")} for s in self.stages],
+            "stages": [{**{k: s[k] for k in ("name", "key", "state", "metrics", "artifact", "error")},
+                        "started": s.get("started"), "seconds": s.get("seconds")} for s in self.stages],
         }
 
 
@@ -430,6 +431,10 @@ def execute(
             record.save(runner.store)
             for spec in specs:
                 parents: dict[str, Manifest] | None = None
+                # the stage's wall time in this run (a cached one: its look-up), for `glmforge report`
+                began = time.monotonic()
+                with _record_lock:
+                    record.stage(spec.name).update(started=_now(), seconds=None)
                 try:
                     if set(spec.parents) <= set(results):
                         parents = {p: results[p].manifest for p in spec.parents}
@@ -443,11 +448,14 @@ def execute(
                         key = runner.key(spec, parents) if parents is not None else None
                     except Exception:
                         key = None
-                    record.fail(spec.name, key, e, ended_state(e))
+                    with _record_lock:
+                        record.fail(spec.name, key, e, ended_state(e))
+                        record.stage(spec.name)["seconds"] = round(time.monotonic() - began, 3)
                     raise
                 results[spec.name] = res
                 with _record_lock:
                     record.mark(res)
+                    record.stage(spec.name)["seconds"] = round(time.monotonic() - began, 3)
                 record.save(runner.store)
         except BaseException as e:
             with _record_lock:

@@ -52,7 +52,7 @@ from posttrain import gates
 from posttrain.gates import GateConfig
 from quant.qat import QATConfig
 from rl.grpo import UpdateParams, assign_advantages, update
-from rl import trainer
+from rl import algorithms, trainer
 from rl.judges import (
     COMPONENTS,
     Judge,
@@ -102,6 +102,9 @@ class RLGeneralConfig(BaseModel):
     eps_high: float = Field(0.28, ge=0)
     icepop_beta: Optional[float] = Field(2.0, gt=1)
     std_normalize: bool = False
+    advantage: str = Field("grpo", description="advantage estimator by name (rl.algorithms.ADVANTAGES)")
+    policy_loss: str = Field("icepop", description="policy loss by name (rl.algorithms.POLICY_LOSSES): icepop, ppo, "
+                             "double_sided_is or a registered one")
     minibatches: int = Field(2, ge=1)
     epochs: int = Field(1, ge=1)
     temperature: float = Field(1.0, gt=0)
@@ -116,6 +119,16 @@ class RLGeneralConfig(BaseModel):
     checkpoint_every: int = Field(20, ge=1)
     keep_last: int = Field(2, ge=1)
     examples: int = Field(8, ge=0)
+
+    @field_validator("advantage")
+    @classmethod
+    def _advantage(cls, v: str) -> str:
+        return algorithms.check(algorithms.ADVANTAGES, "advantage estimator", v)
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _policy_loss(cls, v: str) -> str:
+        return algorithms.check(algorithms.POLICY_LOSSES, "policy loss", v)
 
     @field_validator("prompts")
     @classmethod
@@ -284,7 +297,7 @@ def run_rl_general(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workd
     engine = RolloutEngine(model, tokenizer, stop_ids, pad_id, int4=cfg.rollout_int4, batch_size=cfg.rollout_batch)
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
     params = UpdateParams(cfg.eps_low, cfg.eps_high, cfg.icepop_beta, cfg.minibatches, cfg.epochs,
-                          cfg.temperature, cfg.std_normalize, cfg.grad_clip)
+                          cfg.temperature, cfg.std_normalize, cfg.grad_clip, cfg.policy_loss)
     root, log_path = workdir.checkpoint / "ckpt", workdir.checkpoint / "metrics.jsonl"
     policy = trainer.Policy(model, opt, gen)
     last: list[Sample] = []
@@ -299,7 +312,7 @@ def run_rl_general(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workd
         t1 = time.perf_counter()
         failures, comps, extra = hybrid_rewards(samples, tokenizer, services, cfg)
         t2 = time.perf_counter()
-        flat = assign_advantages(samples, cfg.std_normalize)
+        flat = assign_advantages(samples, cfg.std_normalize, cfg.advantage)
         stats = update(model, opt, samples, pad_id, params, gen) if any(s.trainable for s in samples) else {}
         t3 = time.perf_counter()
         last[:] = samples

@@ -46,7 +46,7 @@ from model.model import GLMModel, indexer_parameters
 from posttrain import gates
 from posttrain.gates import GateConfig
 from quant.qat import QATConfig
-from rl import reward_audit, trainer
+from rl import algorithms, reward_audit, trainer
 from rl.grpo import UpdateParams, assign_advantages, update
 from rl.rewards import RewardWorker
 from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
@@ -74,6 +74,10 @@ class RLReasoningConfig(BaseModel):
     eps_high: float = Field(0.28, ge=0, description="PPO clip above 1 (clip-higher)")
     icepop_beta: Optional[float] = Field(2.0, gt=1, description="IcePop band [1/beta, beta]; null: off")
     std_normalize: bool = Field(False, description="divide advantages by the group's std")
+    advantage: str = Field("grpo", description="advantage estimator by name (rl.algorithms.ADVANTAGES)")
+    policy_loss: str = Field("icepop", description="policy loss by name (rl.algorithms.POLICY_LOSSES): icepop, ppo, "
+                             "double_sided_is or a registered one")
+
     minibatches: int = Field(2, ge=1, description="optimizer steps per rollout batch (per epoch)")
     epochs: int = Field(1, ge=1)
     # sampling
@@ -104,6 +108,16 @@ class RLReasoningConfig(BaseModel):
     gates: GateConfig = GateConfig()
     threads: Optional[int] = Field(None, ge=1, description="torch threads of the trainer process (None: torch's "
                                    "default; tiny matrices on a shared CPU run fastest on 1)")
+
+    @field_validator("advantage")
+    @classmethod
+    def _advantage(cls, v: str) -> str:
+        return algorithms.check(algorithms.ADVANTAGES, "advantage estimator", v)
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _policy_loss(cls, v: str) -> str:
+        return algorithms.check(algorithms.POLICY_LOSSES, "policy loss", v)
 
     @field_validator("domains")
     @classmethod
@@ -219,7 +233,7 @@ def run_rl_reasoning(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: W
     engine = RolloutEngine(model, tokenizer, stop_ids, pad_id, int4=cfg.rollout_int4, batch_size=cfg.rollout_batch)
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
     params = UpdateParams(cfg.eps_low, cfg.eps_high, cfg.icepop_beta, cfg.minibatches, cfg.epochs,
-                          cfg.temperature, cfg.std_normalize, cfg.grad_clip)
+                          cfg.temperature, cfg.std_normalize, cfg.grad_clip, cfg.policy_loss)
     ckpt_root, log_path = workdir.checkpoint / "ckpt", workdir.checkpoint / "metrics.jsonl"
     policy = trainer.Policy(model, opt, gen)
     last: list[Sample] = []
@@ -235,7 +249,7 @@ def run_rl_reasoning(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: W
             failures = score(worker, samples, cfg.reward_timeout_s)
             reward_audit.recheck_rewarded(worker, samples, cfg.recheck_per_step, seed, step, cfg.reward_timeout_s)
             t2 = time.perf_counter()
-            flat = assign_advantages(samples, cfg.std_normalize)
+            flat = assign_advantages(samples, cfg.std_normalize, cfg.advantage)
             stats = update(model, opt, samples, pad_id, params, gen)
             t3 = time.perf_counter()
             last[:] = samples

@@ -1,6 +1,6 @@
 """One GRPO update on a batch of scored rollouts (the trainer side of reasoning RL).
 
-    1. advantages per group (rl.loss.group_advantages)
+    1. advantages per group (rl.algorithms: `grpo` = rl.loss.group_advantages, or a registered one)
     2. pi_train(theta_old): one no-grad forward over every sample's exact token ids; stored on
        the samples beside the rollout log-probs (IcePop compares the two)
     3. `epochs` passes over `minibatches` shuffled minibatches, one optimizer step each. With one
@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from model.model import GLMModel
-from rl.loss import group_advantages, grpo_icepop_loss, token_logprobs
+from rl.algorithms import ADVANTAGES, POLICY_LOSSES
+from rl.loss import token_logprobs
 from rl.sample import Sample
 
 
@@ -61,16 +62,18 @@ class UpdateParams:
     temperature: float = 1.0
     std_normalize: bool = False
     grad_clip: float = 1.0
+    policy_loss: str = "icepop"        # rl.algorithms.POLICY_LOSSES
 
 
-def assign_advantages(samples: list[Sample], std_normalize: bool) -> float:
-    """Set sample.advantage; returns the fraction of groups whose rewards all agree."""
+def assign_advantages(samples: list[Sample], std_normalize: bool, estimator: str = "grpo") -> float:
+    """Set sample.advantage (rl.algorithms.ADVANTAGES[estimator]); returns the fraction of groups
+    whose rewards all agree."""
     valid = [s for s in samples if s.trainable]
     if not valid:
         return 1.0
     rewards = torch.tensor([s.reward for s in valid])
     groups = torch.tensor([s.group for s in valid])
-    for s, a in zip(valid, group_advantages(rewards, groups, std_normalize).tolist()):
+    for s, a in zip(valid, ADVANTAGES[estimator](rewards, groups, std_normalize).tolist()):
         s.advantage = a
     flat = sum(bool((rewards[groups == g] == rewards[groups == g][0]).all()) for g in groups.unique())
     return flat / len(groups.unique())
@@ -126,9 +129,7 @@ def update(model: GLMModel, optimizer: torch.optim.Optimizer, samples: list[Samp
             part = [train[j] for j in order[k:k + size]]
             batch = collate(part, pad_id)
             logp, _ = _forward_logprobs(model, batch, params.temperature)
-            loss, stats = grpo_icepop_loss(logp, batch["train_logprobs"], batch["rollout_logprobs"],
-                                           batch["advantages"], batch["response_mask"], params.eps_low,
-                                           params.eps_high, params.icepop_beta)
+            loss, stats = POLICY_LOSSES[params.policy_loss](logp, batch, params)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             gnorm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],

@@ -1,5 +1,5 @@
-"""The commands that only read the store never load the training stack: `status`, `artifacts`
-and `--help` run without importing torch, DeepSpeed, Prefect, transformers or datasets (which
+"""The commands that only read the store never load the training stack: `status`, `artifacts`,
+`report` and `--help` run without importing torch, DeepSpeed, Prefect, transformers or datasets (which
 is what keeps them near 0.3 s instead of several seconds)."""
 from __future__ import annotations
 
@@ -39,9 +39,10 @@ def test_status_artifacts_and_help_do_not_import_torch(tmp_path, monkeypatch):
     execute(Runner(cfg, store, STAGES, home=tmp_path / "home"), stages_until("ingest"),
             RunRecord.new(cfg, {"preset": "tiny"}, ["ingest"]))
     env = {"GLMFORGE_HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}
-    for args in (["status", "--json"], ["artifacts", "ls"], ["--help"]):
+    for args in (["status", "--json"], ["artifacts", "ls"], ["--help"], ["report", "--out", str(tmp_path / "pages")]):
         got = _probe(*args, env=env)
         assert got["code"] in (0, None), got["stdout"]
         assert got["heavy"] == [], f"glmforge {' '.join(args)} imported {got['heavy']}"
+    assert len(list((tmp_path / "pages").glob("run-*.html"))) == 1
     status = _probe("status", "--json", env=env)
     assert '"name": "ingest"' in status["stdout"] and '"state": "done"' in status["stdout"]

@@ -1,0 +1,74 @@
+"""RL algorithms by name: advantage estimators and policy losses register themselves here.
+
+A stage's config names them (`advantage: grpo`, `policy_loss: icepop`); rl.grpo.update and
+assign_advantages look them up, so a new algorithm is one registered function in its own module
+plus a config string. The module must be imported before the config is read (the names are
+checked then); tests/rl/test_algorithms.py adds REINFORCE with a baseline this way.
+
+    advantage estimator   fn(rewards [N], groups [N], std_normalize) -> advantages [N]
+    policy loss           fn(logp [B,T], batch, params) -> (loss, stats): batch is rl.grpo.collate's
+                          dict (train_logprobs, rollout_logprobs, advantages, response_mask),
+                          params the stage's rl.grpo.UpdateParams
+
+Built in: `grpo` (reward minus the group mean, optionally over the group std); `icepop` (GRPO's
+PPO clip with IcePop's mask, GLM-5 reasoning RL), `ppo` (the same without IcePop) and
+`double_sided_is` (GLM-5's agentic loss) from rl.loss. Distillation's per-token advantage
+(rl.opd) and the reward model's Bradley-Terry loss are their stages' own objectives.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from rl.loss import double_sided_is_loss, group_advantages, grpo_icepop_loss
+
+ADVANTAGES: dict[str, Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]] = {}
+POLICY_LOSSES: dict[str, Callable[[torch.Tensor, dict[str, torch.Tensor], Any], tuple[torch.Tensor, dict]]] = {}
+
+
+def _register(table: dict, kind: str, name: str):
+    def deco(fn):
+        if name in table and table[name] is not fn:
+            raise ValueError(f"{kind} {name!r} is already registered ({table[name].__module__})")
+        table[name] = fn
+        return fn
+    return deco
+
+
+def register_advantage(name: str):
+    return _register(ADVANTAGES, "advantage estimator", name)
+
+
+def register_policy_loss(name: str):
+    return _register(POLICY_LOSSES, "policy loss", name)
+
+
+def check(table: dict, kind: str, name: str) -> str:
+    """For config validators: the name, or a ValueError listing what is registered."""
+    if name not in table:
+        raise ValueError(f"unknown {kind} {name!r}; registered: {', '.join(sorted(table))}")
+    return name
+
+
+@register_advantage("grpo")
+def grpo_advantage(rewards: torch.Tensor, groups: torch.Tensor, std_normalize: bool) -> torch.Tensor:
+    return group_advantages(rewards, groups, std_normalize)
+
+
+@register_policy_loss("icepop")
+def icepop(logp, batch, params):
+    return grpo_icepop_loss(logp, batch["train_logprobs"], batch["rollout_logprobs"], batch["advantages"],
+                            batch["response_mask"], params.eps_low, params.eps_high, params.icepop_beta)
+
+
+@register_policy_loss("ppo")
+def ppo(logp, batch, params):
+    return grpo_icepop_loss(logp, batch["train_logprobs"], batch["rollout_logprobs"], batch["advantages"],
+                            batch["response_mask"], params.eps_low, params.eps_high, None)
+
+
+@register_policy_loss("double_sided_is")
+def double_sided_is(logp, batch, params):
+    return double_sided_is_loss(logp, batch["rollout_logprobs"], batch["advantages"], batch["response_mask"],
+                                params.eps_low, params.eps_high)
