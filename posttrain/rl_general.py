@@ -51,8 +51,9 @@ from model.model import GLMModel, indexer_parameters
 from posttrain import gates
 from posttrain.gates import GateConfig
 from quant.qat import QATConfig
+from rl.algorithms import AdvantageName, PolicyLossName
 from rl.grpo import UpdateParams, assign_advantages, update
-from rl import algorithms, trainer
+from rl import trainer
 from rl.judges import (
     COMPONENTS,
     Judge,
@@ -102,9 +103,9 @@ class RLGeneralConfig(BaseModel):
     eps_high: float = Field(0.28, ge=0)
     icepop_beta: Optional[float] = Field(2.0, gt=1)
     std_normalize: bool = False
-    advantage: str = Field("grpo", description="advantage estimator by name (rl.algorithms.ADVANTAGES)")
-    policy_loss: str = Field("icepop", description="policy loss by name (rl.algorithms.POLICY_LOSSES): icepop, ppo, "
-                             "double_sided_is or a registered one")
+    advantage: AdvantageName = Field("grpo", description="advantage estimator by name (rl.algorithms.ADVANTAGES)")
+    policy_loss: PolicyLossName = Field("icepop", description="policy loss by name (rl.algorithms.POLICY_LOSSES): "
+                                        "icepop, ppo, double_sided_is or a registered one")
     minibatches: int = Field(2, ge=1)
     epochs: int = Field(1, ge=1)
     temperature: float = Field(1.0, gt=0)
@@ -119,16 +120,6 @@ class RLGeneralConfig(BaseModel):
     checkpoint_every: int = Field(20, ge=1)
     keep_last: int = Field(2, ge=1)
     examples: int = Field(8, ge=0)
-
-    @field_validator("advantage")
-    @classmethod
-    def _advantage(cls, v: str) -> str:
-        return algorithms.check(algorithms.ADVANTAGES, "advantage estimator", v)
-
-    @field_validator("policy_loss")
-    @classmethod
-    def _policy_loss(cls, v: str) -> str:
-        return algorithms.check(algorithms.POLICY_LOSSES, "policy loss", v)
 
     @field_validator("prompts")
     @classmethod

@@ -46,7 +46,8 @@ from model.model import GLMModel, indexer_parameters
 from posttrain import gates
 from posttrain.gates import GateConfig
 from quant.qat import QATConfig
-from rl import algorithms, reward_audit, trainer
+from rl import reward_audit, trainer
+from rl.algorithms import AdvantageName, PolicyLossName
 from rl.grpo import UpdateParams, assign_advantages, update
 from rl.rewards import RewardWorker
 from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
@@ -74,9 +75,9 @@ class RLReasoningConfig(BaseModel):
     eps_high: float = Field(0.28, ge=0, description="PPO clip above 1 (clip-higher)")
     icepop_beta: Optional[float] = Field(2.0, gt=1, description="IcePop band [1/beta, beta]; null: off")
     std_normalize: bool = Field(False, description="divide advantages by the group's std")
-    advantage: str = Field("grpo", description="advantage estimator by name (rl.algorithms.ADVANTAGES)")
-    policy_loss: str = Field("icepop", description="policy loss by name (rl.algorithms.POLICY_LOSSES): icepop, ppo, "
-                             "double_sided_is or a registered one")
+    advantage: AdvantageName = Field("grpo", description="advantage estimator by name (rl.algorithms.ADVANTAGES)")
+    policy_loss: PolicyLossName = Field("icepop", description="policy loss by name (rl.algorithms.POLICY_LOSSES): "
+                                        "icepop, ppo, double_sided_is or a registered one")
 
     minibatches: int = Field(2, ge=1, description="optimizer steps per rollout batch (per epoch)")
     epochs: int = Field(1, ge=1)
@@ -108,16 +109,6 @@ class RLReasoningConfig(BaseModel):
     gates: GateConfig = GateConfig()
     threads: Optional[int] = Field(None, ge=1, description="torch threads of the trainer process (None: torch's "
                                    "default; tiny matrices on a shared CPU run fastest on 1)")
-
-    @field_validator("advantage")
-    @classmethod
-    def _advantage(cls, v: str) -> str:
-        return algorithms.check(algorithms.ADVANTAGES, "advantage estimator", v)
-
-    @field_validator("policy_loss")
-    @classmethod
-    def _policy_loss(cls, v: str) -> str:
-        return algorithms.check(algorithms.POLICY_LOSSES, "policy loss", v)
 
     @field_validator("domains")
     @classmethod

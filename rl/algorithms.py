@@ -17,38 +17,37 @@ PPO clip with IcePop's mask, GLM-5 reasoning RL), `ppo` (the same without IcePop
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Annotated, Any, Callable
 
 import torch
+from pydantic import AfterValidator
 
 from rl.loss import double_sided_is_loss, group_advantages, grpo_icepop_loss
+from rl.registry import registered, registrar
 
 ADVANTAGES: dict[str, Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]] = {}
 POLICY_LOSSES: dict[str, Callable[[torch.Tensor, dict[str, torch.Tensor], Any], tuple[torch.Tensor, dict]]] = {}
 
 
-def _register(table: dict, kind: str, name: str):
-    def deco(fn):
-        if name in table and table[name] is not fn:
-            raise ValueError(f"{kind} {name!r} is already registered ({table[name].__module__})")
-        table[name] = fn
-        return fn
-    return deco
-
-
 def register_advantage(name: str):
-    return _register(ADVANTAGES, "advantage estimator", name)
+    return registrar(ADVANTAGES, "advantage estimator", name)
 
 
 def register_policy_loss(name: str):
-    return _register(POLICY_LOSSES, "policy loss", name)
+    return registrar(POLICY_LOSSES, "policy loss", name)
 
 
-def check(table: dict, kind: str, name: str) -> str:
-    """For config validators: the name, or a ValueError listing what is registered."""
-    if name not in table:
-        raise ValueError(f"unknown {kind} {name!r}; registered: {', '.join(sorted(table))}")
-    return name
+def _advantage_name(name: str) -> str:
+    return registered(ADVANTAGES, "advantage estimator", name)
+
+
+def _policy_loss_name(name: str) -> str:
+    return registered(POLICY_LOSSES, "policy loss", name)
+
+
+# config field types: a name checked against the registry when the config is read
+AdvantageName = Annotated[str, AfterValidator(_advantage_name)]
+PolicyLossName = Annotated[str, AfterValidator(_policy_loss_name)]
 
 
 @register_advantage("grpo")

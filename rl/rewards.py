@@ -46,6 +46,7 @@ from multiprocessing.connection import Connection
 from typing import Callable, Sequence
 
 from domains.task import Task
+from rl.registry import registrar
 from rl.sandbox import SandboxLimits
 from rl.verify import (
     CallCheck,
@@ -73,23 +74,14 @@ REWARDS: dict[str, Callable[[str, Task], RewardOutcome]] = {}
 RECHECKS: dict[str, Callable[[str, Task], RewardOutcome]] = {}
 
 
-def _registrar(table: dict, kind: str, name: str):
-    def deco(fn):
-        if name in table and table[name] is not fn:
-            raise ValueError(f"{kind} {name!r} is already registered ({table[name].__module__})")
-        table[name] = fn
-        return fn
-    return deco
-
-
 def register_reward(name: str):
     """Decorator: the function becomes REWARDS[name] (the Task.domain it scores)."""
-    return _registrar(REWARDS, "reward", name)
+    return registrar(REWARDS, "reward", name)
 
 
 def register_recheck(name: str):
     """Decorator: the function becomes RECHECKS[name], the re-check of rewarded samples of that domain."""
-    return _registrar(RECHECKS, "recheck", name)
+    return registrar(RECHECKS, "recheck", name)
 
 
 def recheck_outcome(r: Recheck) -> RewardOutcome:
