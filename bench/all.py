@@ -85,10 +85,19 @@ def curation(out: str) -> tuple[str, str]:
         raise ValueError("no result rows")
     parts = [f"{name.split(' (')[0]} {rate} docs/s/core" + (f" (recall {rec})" if rec != "-" else "")
              for name, (rate, rec) in rows.items()]
+    # the end-to-end ratios (the same JSONL in, kept documents out, the same process count) first,
+    # the in-memory one beside them
+    for ln in out.splitlines():
+        m = re.match(r"minhash end-to-end \(JSONL in -> kept JSONL out\), 1 process: .*ratio ([\d.]+x)", ln)
+        if m:
+            parts.append(f"end to end {m.group(1)} datatrove per core (1 process each)")
+        m = re.match(r"minhash end-to-end \(JSONL in -> kept JSONL out\), all (\d+) cores .*wall .*?ratio ([\d.]+x)", ln)
+        if m:
+            parts.append(f"{m.group(2)} in wall time on {m.group(1)} cores")
     speed = next((ln for ln in out.splitlines() if ln.startswith("speed-up over datatrove")), "")
-    m = re.search(r":\s*([\d.]+x)", speed)
+    m = re.search(r"in memory[^\d]*([\d.]+x)", speed)
     if m:
-        parts.append(f"speed-up {m.group(1)} over datatrove")
+        parts.append(f"in memory {m.group(1)}")
     corpus = next((ln for ln in out.splitlines() if ln.startswith("corpus:")), "")
     return "; ".join(parts), corpus.split(";")[0].replace("corpus: ", "")
 

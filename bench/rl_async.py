@@ -36,7 +36,7 @@ from posttrain.rl_agentic import RLAgenticConfig, run_rl_agentic  # noqa: E402
 def arm(inputs: dict, root: Path, eta: int, tau: int, a) -> tuple[float, dict]:
     """The training loop's wall time (sum of step times: worker start-up and evaluation excluded)."""
     cfg = RLAgenticConfig(steps=a.steps, prompts_per_step=a.prompts, group_size=a.group, workers=a.workers,
-                          eta=eta, tau=tau, lr=1e-4, max_new_tokens=24, max_turns=3, heldout=1,
+                          eta=eta, tau=tau, optim={"lr": 1e-4}, max_new_tokens=24, max_turns=3, heldout=1,
                           environments={"delayed": 1.0},
                           env_args={"delayed": {"median_s": a.median_s, "sigma": a.sigma}},
                           gates={"evals": {"arithmetic": 1, "gsm8k": 1, "gsm8k_max_new_tokens": 1,

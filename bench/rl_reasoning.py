@@ -25,7 +25,7 @@ from domains import arithmetic  # noqa: E402
 from model.config import tiny  # noqa: E402
 from model.model import GLMModel  # noqa: E402
 from quant.qat import QATConfig  # noqa: E402
-from rl.grpo import UpdateParams, assign_advantages, update  # noqa: E402
+from rl.update import UpdateParams, assign_advantages, update  # noqa: E402
 from rl.rewards import RewardWorker  # noqa: E402
 from rl.rollout import RolloutEngine, SamplingParams, prompt_ids  # noqa: E402
 from rl.sample import Sample  # noqa: E402

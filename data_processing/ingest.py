@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_processing.common import expand_placeholders
 from data_processing.document import Document, ShardWriter, read_shard, shard_paths
-from glmforge.stage import StageSpec, Workdir
+from glmforge.stage import Workdir
 
 STAGE_VERSION = "1"
 
@@ -447,5 +447,3 @@ def run(cfg: IngestConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[st
         "documents_per_source": dict(sorted(per_source.items())),
     }
 
-
-STAGE = StageSpec("ingest", "ingest", IngestConfig, run, version=STAGE_VERSION, fingerprint=fingerprint, seeded=False)

@@ -10,7 +10,7 @@ from glmforge.pipeline import STAGES, get_stage, stages_until
 from glmforge.runner import Runner, RunRecord, execute
 from glmforge.shutdown import Preempted
 from tasks.report import publish_run_report
-from tasks.stages import run_in_prefect
+from tasks.stage_task import run_in_prefect
 from tasks.store import configured_store
 
 

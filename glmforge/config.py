@@ -79,8 +79,8 @@ class StoreConfig(BaseModel):
         "S3 multipart transfer settings (boto3 TransferConfig)"))
 
 
-class TaskConfig(BaseModel):
-    """How Prefect runs each stage task."""
+class RetryConfig(BaseModel):
+    """How often a stage's Prefect task is retried after a failure and rerun after a preemption."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -91,7 +91,7 @@ class TaskConfig(BaseModel):
         "past it the run is left for `glmforge resume`"))
 
 
-def check_preemptions(preemptions: int, tasks: TaskConfig) -> None:
+def check_preemptions(preemptions: int, tasks: RetryConfig) -> None:
     """Refuse an automatic rerun past tasks.max_preemptions: a run preempted before its first
     step would otherwise be rerun forever. The message must not read as a preemption itself."""
     if preemptions > tasks.max_preemptions:
@@ -109,7 +109,7 @@ def pipeline_model() -> type[BaseModel]:
     fields: dict[str, Any] = {
         "run": (RunConfig, RunConfig()),
         "store": (StoreConfig, StoreConfig()),
-        "tasks": (TaskConfig, TaskConfig()),
+        "tasks": (RetryConfig, RetryConfig()),
         # the cluster layout the training stages are sized for (model.info; checked to fit)
         "plan": (PlanConfig | None, None),
     }

@@ -34,9 +34,9 @@ ROOT_INPUT_FIELD = {"issue-pr": "issues"}
 
 
 def curation_steps() -> dict[str, StageSpec]:
-    from data_processing.stages import STEPS
+    from glmforge.pipeline import CURATION
 
-    return STEPS
+    return {s.name: s for s in CURATION if s.name != "ingest"}
 
 
 def step_config(spec: StageSpec, preset: str, overrides: list[str], input_path: str | None) -> Any:

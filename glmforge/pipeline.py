@@ -1,9 +1,14 @@
 """The stage registry: every stage the pipeline knows, in execution order.
 
-This is the application's one picture of the DAG. Curation stages come from
-data_processing.stages (torch-free modules); the training and post-training stages are named by
-"module:attribute" references, imported only when a config is validated or a stage runs, so
-`glmforge status`, `artifacts` and `--help` never load torch.
+This is the application's one picture of the DAG, and the only place a stage is declared.
+Curation stages reference their (torch-free) modules directly; the training and post-training
+stages are named by "module:attribute" references, imported only when a config is validated or a
+stage runs, so `glmforge status`, `artifacts` and `--help` never load torch.
+
+quality, issue-pr and decontaminate also read raw files that are no artifact (labelled text,
+GitHub exports, eval sets): their `fingerprint` (a content digest of those files) joins the stage
+key. Curation stages take their seeds from their own sections (seeded=False): run.seed is not in
+their keys.
 
     ingest -> quality -> dedup-exact -> dedup-minhash -> dedup-semantic -> decontaminate
     issue-pr --------------------------------------------------------------^
@@ -14,8 +19,8 @@ data_processing.stages (torch-free modules); the training and post-training stag
 """
 from __future__ import annotations
 
-from data_processing.ingest import STAGE as INGEST
-from data_processing.stages import STAGES as CURATION
+from data_processing import (decontaminate, dedup_exact, ingest, issue_pr, minhash, packing, quality, semantic,
+                             tokenizer)
 from glmforge.stage import StageSpec
 from glmforge.stage import upstream as stage_upstream
 
@@ -23,14 +28,34 @@ LONG = ("decontaminate", "tokenize")   # the long-context stages pack their mix 
 # version 2 of the long-data stages: retrieval documents are packed whole (data_processing.packing.WHOLE)
 LONG_DATA_VERSION = "2"
 
+CURATION: list[StageSpec] = [
+    StageSpec("ingest", "ingest", ingest.IngestConfig, ingest.run, version=ingest.STAGE_VERSION,
+              fingerprint=ingest.fingerprint, seeded=False),
+    StageSpec("quality", "quality", quality.QualityConfig, quality.run, parents=("ingest",),
+              fingerprint=quality.fingerprint, seeded=False),
+    StageSpec("dedup-exact", "dedup_exact", dedup_exact.DedupExactConfig, dedup_exact.run, parents=("quality",),
+              seeded=False),
+    StageSpec("dedup-minhash", "dedup_minhash", minhash.MinHashConfig, minhash.run, parents=("dedup-exact",),
+              seeded=False),
+    StageSpec("dedup-semantic", "dedup_semantic", semantic.SemanticConfig, semantic.run, parents=("dedup-minhash",),
+              seeded=False),
+    StageSpec("issue-pr", "issue_pr", issue_pr.IssuePRConfig, issue_pr.run, parents=(),
+              fingerprint=issue_pr.fingerprint, seeded=False),
+    StageSpec("decontaminate", "decontaminate", decontaminate.DecontaminateConfig, decontaminate.run,
+              parents=("dedup-semantic", "issue-pr"), fingerprint=decontaminate.fingerprint, seeded=False),
+    StageSpec("tokenize", "tokenize", tokenizer.TokenizeConfig, tokenizer.run, parents=("decontaminate",),
+              seeded=False),
+    StageSpec("pack", "pack", packing.PackConfig, packing.run, parents=("decontaminate", "tokenize"), seeded=False),
+]
+
 TRAINING: list[StageSpec] = [
-    StageSpec("pretrain", "pretrain", "training.config:PretrainConfig", "training.stages:run_pretrain",
+    StageSpec("pretrain", "pretrain", "training.config:PretrainConfig", "training.drivers:run_pretrain",
               parents=("pack", "tokenize")),
-    StageSpec("context-1", "context_1", "training.config:ContextConfig", "training.stages:run_context_1",
+    StageSpec("context-1", "context_1", "training.config:ContextConfig", "training.drivers:run_context_1",
               parents=("pretrain", *LONG), version=LONG_DATA_VERSION),
-    StageSpec("context-2", "context_2", "training.config:ContextConfig", "training.stages:run_context_2",
+    StageSpec("context-2", "context_2", "training.config:ContextConfig", "training.drivers:run_context_2",
               parents=("context-1", *LONG), version=LONG_DATA_VERSION),
-    StageSpec("context-3", "context_3", "training.config:ContextConfig", "training.stages:run_context_3",
+    StageSpec("context-3", "context_3", "training.config:ContextConfig", "training.drivers:run_context_3",
               parents=("context-2", *LONG), version=LONG_DATA_VERSION),
     StageSpec("dsa-warmup", "dsa_warmup", "training.dsa:DsaWarmupConfig", "training.dsa:run_warmup",
               parents=("context-3", *LONG), version=LONG_DATA_VERSION),
@@ -53,7 +78,7 @@ POSTTRAIN: list[StageSpec] = [
               parents=("rl-general", "sft", "rl-reasoning", "rl-agentic", "tokenize")),
 ]
 
-STAGES: list[StageSpec] = [INGEST, *[s for s in CURATION if s.name != "ingest"], *TRAINING, *POSTTRAIN]
+STAGES: list[StageSpec] = [*CURATION, *TRAINING, *POSTTRAIN]
 STAGE_NAMES = [s.name for s in STAGES]
 BY_NAME = {s.name: s for s in STAGES}
 

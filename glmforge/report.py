@@ -29,17 +29,20 @@ import shlex
 from pathlib import Path
 from typing import Any, Iterable
 
+from glmforge import pipeline
 from glmforge.runner import RunRecord
 from glmforge.store import Manifest, Store, artifact_prefix, default_home
 
 NOT_RECORDED = "not recorded"
 _NR = f'<span class="nr">{NOT_RECORDED}</span>'
 
-CURATION = ("ingest", "quality", "dedup-exact", "dedup-minhash", "dedup-semantic", "issue-pr", "decontaminate")
-CONTEXT = ("context-1", "context-2", "context-3")
-TRAINING = ("pretrain", *CONTEXT, "dsa-warmup", "dsa-adapt", "sft")
-RL = ("rl-reasoning", "rl-agentic", "rl-general")
-POSTTRAIN = ("rl-reasoning", "rl-agentic", "reward-model", "rl-general", "distill")
+# the panels' stages, from the registry: the curation funnel ends where tokenizing begins, the
+# training curves run through SFT, the post-training panels begin after it
+CURATION = tuple(s.name for s in pipeline.CURATION if s.name not in ("tokenize", "pack"))
+CONTEXT = tuple(s.name for s in pipeline.TRAINING if s.name.startswith("context-"))
+TRAINING = (*(s.name for s in pipeline.TRAINING), "sft")
+POSTTRAIN = tuple(s.name for s in pipeline.POSTTRAIN if s.name != "sft")
+RL = ("rl-reasoning", "rl-agentic", "rl-general")   # the stages with reward curves
 # the quantization table's models, in the order the argument runs (posttrain.sft MODELS)
 QUANT_MODELS = (("full_no_qat", "full precision, trained without QAT"), ("ptq_int4", "PTQ: that model rounded to INT4"),
                 ("full", "full precision, trained with QAT"), ("qat_int4", "QAT: that model in INT4"))
@@ -799,11 +802,13 @@ def gates_section(run: RunData) -> str:
         out.append(table(["eval"] + [str(c.get("stage")) for c in chain], rows))
     rows = [[td(st), td(e), td(get(g, "before"), f"gate.{st}.{e}.before"), td(get(g, "after"), f"gate.{st}.{e}.after"),
              td(get(g, "tolerance"), f"gate.{st}.{e}.tolerance"), td(get(g, "noise"), f"gate.{st}.{e}.noise"),
+             td(get(g, "detects"), f"gate.{st}.{e}.detects", cls="" if get(g, "detects") is not False else "bad"),
              td(get(g, "passed"), f"gate.{st}.{e}.passed", cls="" if get(g, "passed") is not False else "bad")]
             for st, per in gates.items() for e, g in (per or {}).items()]
-    out.append(table(["gated stage", "eval", "before", "after", "tolerance", "noise", "passed"], rows)
+    out.append(table(["gated stage", "eval", "before", "after", "tolerance", "noise", "detects", "passed"], rows)
                + note("An accuracy may drop by at most its tolerance (absolute) and its noise; perplexity may rise "
-                      "by at most tolerance × before."))
+                      "by at most tolerance × before. `detects` is false where the noise exceeds the tolerance: "
+                      "a regression of the tolerance's size would pass unseen."))
     return head + "".join(out)
 
 

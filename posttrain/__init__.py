@@ -1,3 +1,3 @@
-"""Post-training: the chat template shared by SFT, RL rollouts and evaluation (chat_template),
-INT4 quantization-aware training and the INT4 inference path (qat), and the compressed-tensors
-INT4 export read by vLLM / SGLang (export_int4)."""
+"""Post-training stage drivers: sft (and its data), rl-reasoning, rl-agentic, reward-model,
+rl-general and distill. Each builds its step on the RL library (rl/: the trainer, the update, the
+algorithms by name, rewards, rollouts, gates) and the floors below it (chat/, quant/, domains/)."""

@@ -14,18 +14,18 @@ RL model, so an RL stage that lowered an earlier domain's accuracy gets it back.
   3. the prompt's teacher scores the student's exact token ids (no re-tokenisation: teacher and
      student must share the tokenizer, which is checked, see check_teacher);
   4. per token A_t = sg(log pi_teacher - log pi_student_old), and the GRPO + IcePop update with
-     that per-token advantage (rl.opd.opd_loss: the RL core's IS correction, IcePop weights).
+     that per-token advantage: the `opd` policy loss (rl.algorithms, rl.opd.opd_loss: the RL
+     core's IS correction, IcePop weights) through the trainer's update (rl.update).
 With `use_qat` the student trains with INT4 fake quantization (quant.qat, as sft does): the
 final exported INT4 model (export/int4, int4/) is the distilled one, the end of the chain.
 
-Evals: posttrain.gates on every teacher, the student before and the result after: the full
+Evals: rl.gates on every teacher, the student before and the result after: the full
 table sft -> rl-reasoning -> rl-agentic -> rl-general -> distill (gates.md / gates.png), and per
 teacher domain the teacher's, the student's before and after values with the share of the gap
 recovered (`recovery`, (after - before) / (teacher - before) where the student was behind).
 """
 from __future__ import annotations
 
-import json
 import logging
 import random
 import time
@@ -42,18 +42,17 @@ from domains.pools import gsm8k_tasks
 from domains.task import Task
 from glmforge.stage import Workdir
 from model.hf import artifact_weights, load_state
-from model.model import GLMModel, indexer_parameters
-from posttrain import gates
-from posttrain.gates import EVALS, GateConfig
+from model.model import GLMModel
 from quant.qat import QATConfig, prepare_qat, ptq_int4, remove_qat, save_int4
-from rl import trainer
-from rl.grpo import UpdateParams, collate, recompute_old_logprobs
+from rl import gates, trainer
+from rl.algorithms import PolicyLossName
+from rl.gates import EVALS, GateConfig
 from rl.loss import token_logprobs
-from rl.opd import opd_loss, token_advantages
 from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
 from rl.sample import Sample, Status
+from rl.trainer import GateCheck, OptimConfig
+from rl.update import UpdateParams, collate, update
 from training import checkpoint, metrics
-from training.loop import export
 
 log = logging.getLogger("glmforge")
 TEACHERS = ("sft", "rl-reasoning", "rl-agentic")
@@ -68,9 +67,9 @@ class DistillConfig(BaseModel):
     steps: int = Field(100, ge=1)
     teachers: tuple[str, ...] = Field(TEACHERS, description="teacher stages (their domains' prompts)")
     prompts_per_teacher: int = Field(32, ge=1, description="prompts per teacher per step (group size 1)")
-    lr: float = Field(1e-6, ge=0)
-    betas: tuple[float, float] = (0.9, 0.98)
-    grad_clip: float = Field(1.0, gt=0)
+    optim: OptimConfig = OptimConfig()
+    policy_loss: PolicyLossName = Field("opd", description="policy loss by name (rl.algorithms.POLICY_LOSSES); "
+                                        "opd reads the teachers' log-probs as per-token advantages")
     eps_low: float = Field(0.2, ge=0, lt=1)
     eps_high: float = Field(0.28, ge=0)
     icepop_beta: Optional[float] = Field(2.0, gt=1)
@@ -151,52 +150,9 @@ def teacher_logprobs(teacher: GLMModel, samples: list[Sample], pad_id: int, chun
     return out
 
 
-def _aligned(samples: list[Sample], values: list[list[float]], like: torch.Tensor) -> torch.Tensor:
-    t = torch.zeros_like(like, dtype=torch.float)
-    for b, (s, v) in enumerate(zip(samples, values)):
-        start = len(s.prompt_ids) - 1
-        t[b, start:start + len(v)] = torch.tensor(v)
-    return t
-
-
-def distill_update(model: GLMModel, opt: torch.optim.Optimizer, samples: list[Sample], teacher_lps: list[list[float]],
-                   pad_id: int, params: UpdateParams, adv_clip: Optional[float], generator: torch.Generator
-                   ) -> dict[str, float]:
-    """pi_old recompute, then `minibatches` optimizer steps of rl.opd.opd_loss."""
-    keep = [i for i, s in enumerate(samples) if s.trainable]
-    train = [samples[i] for i in keep]
-    lps = [teacher_lps[i] for i in keep]
-    if not train:
-        return {}
-    recompute_old_logprobs(model, train, pad_id, params.temperature)
-    totals: dict[str, float] = {}
-    steps = 0
-    model.train()
-    order = torch.randperm(len(train), generator=generator).tolist()
-    size = -(-len(train) // params.minibatches)
-    for k in range(0, len(train), size):
-        idx = order[k:k + size]
-        part = [train[j] for j in idx]
-        b = collate(part, pad_id)
-        logp = token_logprobs(model(b["input_ids"], attention_mask=b["attention_mask"]).logits, b["targets"],
-                             params.temperature)
-        adv = token_advantages(_aligned(part, [lps[j] for j in idx], b["targets"]), b["train_logprobs"],
-                               b["response_mask"], adv_clip)
-        loss, stats = opd_loss(logp, b["train_logprobs"], b["rollout_logprobs"], adv, b["response_mask"],
-                               params.eps_low, params.eps_high, params.icepop_beta)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], params.grad_clip)
-        opt.step()
-        for key, v in {**stats, "loss": float(loss.detach()), "grad_norm": float(gnorm)}.items():
-            totals[key] = totals.get(key, 0.0) + v
-        steps += 1
-    return {k: v / steps for k, v in totals.items()}
-
-
 def distill_step(engine: RolloutEngine, model: GLMModel, opt: torch.optim.Optimizer,
                  teachers: dict[str, GLMModel], prompts: dict[str, list[list[int]]], pad_id: int,
-                 sampling: SamplingParams, params: UpdateParams, adv_clip: Optional[float], gen: torch.Generator,
+                 sampling: SamplingParams, params: UpdateParams, gen: torch.Generator,
                  step: int, tasks: Optional[dict[str, list[Task]]] = None) -> dict[str, Any]:
     """One step (module doc 2-4) on prompt token ids per teacher; returns the step's statistics."""
     engine.sync(model, step)
@@ -207,15 +163,14 @@ def distill_step(engine: RolloutEngine, model: GLMModel, opt: torch.optim.Optimi
             samples.append(Sample(task, len(samples), list(ids)))       # group size 1: a group per sample
             owner.append(name)
     engine.generate(samples, sampling, gen)
-    lps: list[list[float]] = [[] for _ in samples]
     for name, teacher in teachers.items():
         idx = [i for i, o in enumerate(owner) if o == name]
         for i, lp in zip(idx, teacher_logprobs(teacher, [samples[i] for i in idx], pad_id)):
-            lps[i] = lp
-    rec: dict[str, Any] = distill_update(model, opt, samples, lps, pad_id, params, adv_clip, gen)
+            samples[i].teacher_logprobs = lp
+    rec: dict[str, Any] = update(model, opt, samples, pad_id, params, gen)
     for name in teachers:
         idx = [i for i, o in enumerate(owner) if o == name and samples[i].trainable]
-        gaps = [t - s for i in idx for t, s in zip(lps[i], samples[i].train_logprobs or [])]
+        gaps = [t - s for i in idx for t, s in zip(samples[i].teacher_logprobs, samples[i].train_logprobs or [])]
         if gaps:
             rec[f"reverse_kl/{name}"] = -sum(gaps) / len(gaps)
     rec["response_length"] = sum(len(s.response_ids) for s in samples) / len(samples)
@@ -239,8 +194,9 @@ def recovery(teacher: dict[str, float], before: dict[str, float], after: dict[st
 
 # ---------------------------------------------------------------- the stage
 def run_distill(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
+    seed = workdir.seed
     tokenizer = load_tokenizer(inputs["tokenize"])
-    model = load_state(artifact_weights(inputs["rl-general"], "rl-general"))
+    model = trainer.load_policy(inputs["rl-general"], "rl-general", tokenizer, seed)
     teachers: dict[str, GLMModel] = {}
     for name in cfg.teachers:
         t = load_state(artifact_weights(inputs[name], name))
@@ -249,23 +205,18 @@ def run_distill(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir) -
         for p in t.parameters():
             p.requires_grad_(False)
         teachers[name] = t
-    for p in indexer_parameters(model):
-        p.requires_grad_(False)
     stop_ids = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
     pad_id = tokenizer.token_to_id("<|pad|>")
-    seed = workdir.seed
-    torch.manual_seed(seed)
     pools = {n: domain_prompts(n, cfg, seed) for n in cfg.teachers}
     root, log_path = workdir.checkpoint / "ckpt", workdir.checkpoint / "metrics.jsonl"
 
     found = checkpoint.select_resume(root)          # before QAT: the gates measure the model as given
     if found is None:
-        before = gates.measure(model, tokenizer, cfg.gates.evals, seed)
-        teacher_evals = {n: gates.measure(t, tokenizer, cfg.gates.evals, seed) for n, t in teachers.items()}
+        before = trainer.measure_gates(model, tokenizer, cfg.gates, seed)
+        teacher_evals = {n: trainer.measure_gates(t, tokenizer, cfg.gates, seed) for n, t in teachers.items()}
     if cfg.use_qat:
         prepare_qat(model, cfg.qat)      # names unchanged: checkpoints and engine syncs stay plain copies
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=cfg.betas,
-                            weight_decay=0.0)
+    opt = trainer.build_optimizer(model, cfg.optim)
     gen = torch.Generator().manual_seed(seed)
     policy = trainer.Policy(model, opt, gen)
     resumed = trainer.load_latest(root, policy, log_path, "distill")
@@ -275,14 +226,13 @@ def run_distill(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir) -
     engine = RolloutEngine(model, tokenizer, stop_ids, pad_id, int4=cfg.rollout_int4, batch_size=cfg.rollout_batch)
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
     params = UpdateParams(cfg.eps_low, cfg.eps_high, cfg.icepop_beta, cfg.minibatches, 1, cfg.temperature,
-                          False, cfg.grad_clip)
+                          False, cfg.optim.grad_clip, cfg.policy_loss, cfg.adv_clip)
 
     def one_step(step: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         tasks = {n: draw(pools[n][0], cfg.prompts_per_teacher, seed, step, n) for n in cfg.teachers}
         prompts = {n: [prompt_ids(tokenizer, t, pools[n][1]) for t in ts] for n, ts in tasks.items()}
-        rec = distill_step(engine, model, opt, teachers, prompts, pad_id, sampling, params, cfg.adv_clip, gen,
-                           step, tasks)
+        rec = distill_step(engine, model, opt, teachers, prompts, pad_id, sampling, params, gen, step, tasks)
         rec.update(step=step, step_s=time.perf_counter() - t0)
         return rec
 
@@ -292,9 +242,20 @@ def run_distill(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir) -
                       describe=lambda r: f"reverse KL {r.get('reverse_kl', float('nan')):.3f}")
     if cfg.use_qat:
         remove_qat(model)            # the full-precision weights QAT trained; INT4 is exported from them
-    after = gates.measure(model, tokenizer, cfg.gates.evals, seed)
-    int4_after = gates.measure(ptq_int4(model, cfg.qat), tokenizer, cfg.gates.evals, seed)
-    return publish(cfg, model, inputs, workdir.out, metrics.read(log_path), before, after, int4_after, teacher_evals)
+    after = trainer.measure_gates(model, tokenizer, cfg.gates, seed)
+    int4_after = trainer.measure_gates(ptq_int4(model, cfg.qat), tokenizer, cfg.gates, seed)
+    records = metrics.read(log_path)
+    out = workdir.out
+    result = summary(cfg, records, before, after, int4_after, teacher_evals)
+    gate = GateCheck(cfg.gates, before, after, "rl-general", chain_parent(inputs, teacher_evals, before))
+    result["gates"] = trainer.publish("distill", out, records, model=model, tokenizer_dir=inputs["tokenize"], gate=gate,
+                                      export_info=dict(after), plot=lambda rs, o: plot(rs, o / "distill.png", cfg.teachers))
+    save_int4(model, cfg.qat, out / "int4")
+    if cfg.export_hf:
+        from quant.export import export_all
+
+        export_all(model, cfg.qat, out / "export", inputs["tokenize"])
+    return result
 
 
 def chain_parent(inputs: dict[str, Path], teacher_evals: dict[str, dict[str, float]], before: dict[str, float]
@@ -308,13 +269,12 @@ def chain_parent(inputs: dict[str, Path], teacher_evals: dict[str, dict[str, flo
     return {"chain": missing + parent["chain"], "gates": parent["gates"]}
 
 
-def publish(cfg: DistillConfig, model: GLMModel, inputs: dict[str, Path], out: Path, records: list[dict[str, Any]],
-            before: dict[str, float], after: dict[str, float], int4_after: dict[str, float],
-            teacher_evals: dict[str, dict[str, float]]) -> dict[str, Any]:
+def summary(cfg: DistillConfig, records: list[dict[str, Any]], before: dict[str, float], after: dict[str, float],
+            int4_after: dict[str, float], teacher_evals: dict[str, dict[str, float]]) -> dict[str, Any]:
     domains = {n: recovery(teacher_evals[n], before, after, DOMAIN_EVALS[n]) for n in cfg.teachers}
     rec_values = [e["recovered"] for d in domains.values() for e in d.values() if e["recovered"] is not None]
     k = max(1, len(records) // 10)
-    result: dict[str, Any] = {
+    return {
         "steps": len(records),
         "reverse_kl": {"first": sum(r.get("reverse_kl", 0.0) for r in records[:k]) / k,
                        "last": sum(r.get("reverse_kl", 0.0) for r in records[-k:]) / k},
@@ -326,20 +286,6 @@ def publish(cfg: DistillConfig, model: GLMModel, inputs: dict[str, Path], out: P
         "int4_evals": int4_after,
         "qat": cfg.use_qat,
     }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    num = sorted({k for r in records for k, v in r.items() if isinstance(v, (int, float)) and k != "step"})
-    metrics.write_tensorboard(records, out / "tensorboard", keys=num)
-    plot(records, out / "distill.png", cfg.teachers)
-    result["gates"] = gates.finish("distill", out, chain_parent(inputs, teacher_evals, before), "rl-general", before,
-                                   after, cfg.gates.tolerances, gates.counts(cfg.gates.evals))
-    export(model, out, str(inputs["tokenize"]), {k: v for k, v in after.items()})
-    save_int4(model, cfg.qat, out / "int4")
-    if cfg.export_hf:
-        from quant.export import export_all
-
-        export_all(model, cfg.qat, out / "export", inputs["tokenize"])
-    return result
 
 
 def plot(records: list[dict[str, Any]], png: Path, teachers: tuple[str, ...]) -> None:

@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file, save_file
 
@@ -48,9 +47,11 @@ from data_processing.tokenizer import load_tokenizer
 from domains import arithmetic
 from domains.pools import MBPP_TRAIN_IDS
 from glmforge.stage import Workdir
-from model.hf import artifact_weights, load_state, save_state
-from model.model import GLMModel, indexer_parameters
+from model.hf import load_state, save_state
+from model.model import GLMModel
 from rl import trainer
+from rl.algorithms import PREFERENCE_LOSSES, PreferenceLossName
+from rl.trainer import OptimConfig
 from training import metrics
 
 log = logging.getLogger("glmforge")
@@ -61,8 +62,9 @@ class RewardModelConfig(BaseModel):
 
     steps: int = Field(200, ge=1)
     batch_pairs: int = Field(16, ge=1, description="preference pairs per optimizer step")
-    lr: float = Field(1e-5, gt=0)
-    grad_clip: float = Field(1.0, gt=0)
+    optim: OptimConfig = OptimConfig(lr=1e-5)
+    loss: PreferenceLossName = Field("bradley_terry", description="preference loss by name "
+                                     "(rl.algorithms.PREFERENCE_LOSSES)")
     max_len: int = Field(512, ge=8, description="tokens per conversation (the last ones are kept)")
     gsm8k_path: str = "{samples}/gsm8k/train.jsonl"
     gsm8k_skip: int = Field(200, ge=0, description="GSM8K train lines SFT holds out")
@@ -262,19 +264,16 @@ def heldout_accuracy(rm: RewardModel, chosen: list[tuple[list[int], int]], rejec
 
 # ---------------------------------------------------------------- the stage
 def run_reward_model(cfg: RewardModelConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
-    tokenizer = load_tokenizer(inputs["tokenize"])
-    backbone = load_state(artifact_weights(inputs["rl-reasoning"], "rl-reasoning"))
-    for p in indexer_parameters(backbone):
-        p.requires_grad_(False)
-    pad_id = tokenizer.token_to_id("<|pad|>")
     seed = workdir.seed
-    torch.manual_seed(seed)
+    tokenizer = load_tokenizer(inputs["tokenize"])
+    backbone = trainer.load_policy(inputs["rl-reasoning"], "rl-reasoning", tokenizer, seed)
+    pad_id = tokenizer.token_to_id("<|pad|>")
     rm = RewardModel(backbone, pad_id)
     train, held = build_pairs(cfg, seed)
     enc = lambda ps, side: [pair_text_ids(tokenizer, p.prompt, getattr(p, side), cfg.max_len) for p in ps]  # noqa: E731
     tr_c, tr_r = enc(train, "chosen"), enc(train, "rejected")
     he_c, he_r, kinds = enc(held, "chosen"), enc(held, "rejected"), [p.kind for p in held]
-    opt = torch.optim.AdamW([p for p in rm.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
+    opt = trainer.build_optimizer(rm, cfg.optim)
     root, log_path = workdir.checkpoint / "ckpt", workdir.checkpoint / "metrics.jsonl"
 
     policy = trainer.Policy(rm, opt)
@@ -290,13 +289,10 @@ def run_reward_model(cfg: RewardModelConfig, inputs: dict[str, Path], workdir: W
         idx = [rng.randrange(len(train)) for _ in range(cfg.batch_pairs)]
         scores = rm([tr_c[i] for i in idx] + [tr_r[i] for i in idx])
         c, r = scores[: len(idx)], scores[len(idx):]
-        loss = -F.logsigmoid(c - r).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_([p for p in rm.parameters() if p.requires_grad], cfg.grad_clip)
-        opt.step()
+        loss = PREFERENCE_LOSSES[cfg.loss](c, r)
+        gnorm = trainer.clip_and_step(rm, opt, loss, cfg.optim.grad_clip)
         return {"step": step, "loss": float(loss.detach()), "train_pair_accuracy": pairwise_accuracy(c.detach(), r.detach()),
-                "margin": float((c - r).detach().mean()), "grad_norm": float(gnorm)}
+                "margin": float((c - r).detach().mean()), "grad_norm": gnorm}
 
     trainer.run_steps("reward-model", policy, one_step, start=start, steps=cfg.steps, root=root, log_path=log_path,
                       workdir=workdir, checkpoint_every=cfg.checkpoint_every, keep_last=cfg.keep_last,
@@ -317,9 +313,7 @@ def run_reward_model(cfg: RewardModelConfig, inputs: dict[str, Path], workdir: W
     save_reward_model(rm, out, {"heldout_pairwise_accuracy": after["accuracy"], "per_kind": after["per_kind"],
                                 "n": after["n"], "max_len": cfg.max_len,
                                 "score_mean": after["score_mean"], "score_std": after["score_std"]})
-    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    if records:
-        plot(records, out / "loss.png", result)
+    trainer.publish("reward-model", out, records, plot=lambda rs, o: plot(rs, o / "loss.png", result))
     return result
 
 

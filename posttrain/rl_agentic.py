@@ -10,8 +10,9 @@ the policy version that sampled it. The trainer:
     samples submitted by policy version v), each group routed by a consistent hash of its id;
   - trains as soon as B samples are in, oldest groups first: drops samples more than tau versions
     stale and groups with a valid minority (rl.staleness.filter_groups), group-normalised
-    advantages over the valid members, then one optimizer step of the double-sided IS loss
-    (rl.loss.double_sided_is_loss, the rollout log-probs as pi_old: no pi_old forward pass);
+    advantages over the valid members, then one optimizer step (rl.update) of the policy loss
+    named by `policy_loss`: GLM-5's double-sided IS (rl.loss.double_sided_is_loss, the rollout
+    log-probs as pi_old: no pi_old forward pass);
   - every K optimizer steps publishes the weights as a new version (atomic file; workers load it
     between requests or turns) and resets the optimizer state, as GLM-5 does after each sync.
 With tau = 0, K = 1, eta = 0 and one worker this is synchronous on-policy training, step for step
@@ -46,24 +47,22 @@ from chat.template import STOP_TOKENS
 from data_processing.tokenizer import load_tokenizer
 from domains.task import Task
 from glmforge.stage import OPERATIONAL, Workdir
-from model.hf import artifact_weights, load_state
-from model.model import GLMModel, indexer_parameters
-from posttrain import gates
-from posttrain.gates import GateConfig
+from model.model import GLMModel
 from quant.qat import QATConfig
-from rl import reward_audit, trainer
+from rl import gates, reward_audit, trainer
 from rl.agent import context_for, prompt_tools, run_group
+from rl.algorithms import AdvantageName, PolicyLossName
 from rl.envs import ENVIRONMENTS, make_env, tasks_for
-from rl.grpo import collate
-from rl.loss import double_sided_is_loss, group_advantages
+from rl.gates import GateConfig
 from rl.orchestrator import WorkerPool
 from rl.rollout import RolloutEngine, SamplingParams
 from rl.sample import Sample
 from rl.sandbox import require_isolation
 from rl.staleness import admit, filter_groups
+from rl.trainer import GateCheck, OptimConfig
+from rl.update import UpdateParams, assign_advantages, update
 from rl.wire import sample_from_dict, sample_to_dict
 from training import metrics
-from training.loop import export
 
 log = logging.getLogger("glmforge")
 BUFFER = "buffer.json"
@@ -93,11 +92,13 @@ class RLAgenticConfig(BaseModel):
     eta: int = Field(1, ge=0, description="admission: samples start at most eta versions behind")
     tau: int = Field(2, ge=0, description="drop samples whose oldest token is more than tau versions stale")
     sync_every: int = Field(1, ge=1, description="K: optimizer steps between weight syncs (optimizer reset)")
+    advantage: AdvantageName = Field("grpo", description="advantage estimator by name (rl.algorithms.ADVANTAGES)")
+    policy_loss: PolicyLossName = Field("double_sided_is", description="policy loss by name (rl.algorithms."
+                                        "POLICY_LOSSES); GLM-5's agentic RL: double_sided_is")
     eps_low: float = Field(0.2, ge=0, lt=1)
     eps_high: float = Field(0.28, ge=0)
-    lr: float = Field(1e-6, ge=0)
-    betas: tuple[float, float] = (0.9, 0.98)
-    grad_clip: float = Field(1.0, gt=0)
+    icepop_beta: Optional[float] = Field(2.0, gt=1, description="IcePop band, for policy_loss icepop")
+    optim: OptimConfig = OptimConfig()
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(256, ge=1, description="per assistant turn")
@@ -181,26 +182,17 @@ def episodes(engine, tokenizer, cfg: RLAgenticConfig, task: Task, group: int, n:
 
 # ---------------------------------------------------------------- the trainer step
 def train_step(model: GLMModel, opt: torch.optim.Optimizer, groups: dict[int, list[Sample]], version: int,
-               cfg: RLAgenticConfig, pad_id: int) -> dict[str, Any]:
+               cfg: RLAgenticConfig, pad_id: int, generator: torch.Generator) -> dict[str, Any]:
+    """Staleness filter, then one rl.update step of the configured algorithm on what is kept."""
     f = filter_groups(groups, version, cfg.tau)
     stats: dict[str, Any] = {"kept": len(f.kept), "dropped": dict(f.dropped), "lag": dict(f.lags),
                              "kept_length_mean": _mean(f.kept_lengths), "dropped_length_mean": _mean(f.dropped_lengths)}
     if not f.kept:
-        return {**stats, "loss": 0.0, "is_masked_fraction": 0.0, "grad_norm": 0.0}
-    adv = group_advantages(torch.tensor([s.reward for s in f.kept]), torch.tensor([s.group for s in f.kept]))
-    for s, a in zip(f.kept, adv.tolist()):
-        s.advantage = a
-    batch = collate(f.kept, pad_id)
-    model.train()
-    logits = model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    logp = (logits.float() / cfg.temperature).log_softmax(-1).gather(-1, batch["targets"][..., None]).squeeze(-1)
-    loss, is_stats = double_sided_is_loss(logp, batch["rollout_logprobs"], batch["advantages"],
-                                          batch["response_mask"], cfg.eps_low, cfg.eps_high)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    gnorm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.grad_clip)
-    opt.step()
-    return {**stats, **is_stats, "loss": float(loss.detach()), "grad_norm": float(gnorm)}
+        return {**stats, "loss": 0.0, "grad_norm": 0.0}
+    stats["zero_variance_groups"] = assign_advantages(f.kept, False, cfg.advantage)
+    params = UpdateParams(cfg.eps_low, cfg.eps_high, cfg.icepop_beta, 1, 1, cfg.temperature, False,
+                          cfg.optim.grad_clip, cfg.policy_loss)
+    return {**stats, **update(model, opt, f.kept, pad_id, params, generator)}
 
 
 def _mean(xs: list[int]) -> float | None:
@@ -241,33 +233,28 @@ def evaluate(engine: RolloutEngine, tokenizer, cfg: RLAgenticConfig, tasks: list
 # ---------------------------------------------------------------- the stage
 def run_rl_agentic(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
     require_sandbox(cfg)
+    seed = workdir.seed
     tokenizer = load_tokenizer(inputs["tokenize"])
-    model = load_state(artifact_weights(inputs["rl-reasoning"], "rl-reasoning"))
-    for p in indexer_parameters(model):
-        p.requires_grad_(False)
+    model = trainer.load_policy(inputs["rl-reasoning"], "rl-reasoning", tokenizer, seed, cfg.threads)
     pad_id = tokenizer.token_to_id("<|pad|>")
     stop_ids = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
-    seed = workdir.seed
-    torch.manual_seed(seed)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     prompts = Prompts(cfg, seed)
     heldout = [t for e in prompts.weights for t in tasks_for(e, "heldout", cfg.heldout, seed)]
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=cfg.betas,
-                            weight_decay=0.0)
+    opt = trainer.build_optimizer(model, cfg.optim)
+    gen = torch.Generator().manual_seed(seed)
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
     engine = RolloutEngine(model, tokenizer, stop_ids, pad_id, int4=cfg.rollout_int4, batch_size=cfg.rollout_batch)
     ckpt_root, log_path = workdir.checkpoint / "ckpt", workdir.checkpoint / "metrics.jsonl"
     B = cfg.prompts_per_step * cfg.group_size
 
     buffer: dict[int, list[Sample]] = {}
-    policy = trainer.Policy(model, opt, texts=lambda: buffer_text(buffer))
+    policy = trainer.Policy(model, opt, gen, texts=lambda: buffer_text(buffer))
     resumed = trainer.load_latest(ckpt_root, policy, log_path, "rl-agentic")
     if resumed is None:
         engine.sync(model, 0)
         state = {"step": 0, "version": 0, "next_group": 0, "submitted": 0, "inflight": [],
                  "before": evaluate(engine, tokenizer, cfg, heldout, seed),
-                 "gates_before": gates.measure(model, tokenizer, cfg.gates.evals, seed)}
+                 "gates_before": trainer.measure_gates(model, tokenizer, cfg.gates, seed)}
     else:
         state, buffer = resumed[1], read_buffer(resumed[2])
         log.info("rl-agentic: %d groups buffered, %d re-submitted", len(buffer), len(state["inflight"]))
@@ -305,7 +292,7 @@ def run_rl_agentic(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workd
             if sum(map(len, take.values())) >= B:
                 break
             take[g] = buffer.pop(g)
-        rec = train_step(model, opt, take, state["version"], cfg, pad_id)
+        rec = train_step(model, opt, take, state["version"], cfg, pad_id, gen)
         state["step"] = step
         if step % cfg.sync_every == 0:
             state["version"] += 1
@@ -340,11 +327,13 @@ def run_rl_agentic(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workd
     engine.sync(model, state["version"])
     after = evaluate(engine, tokenizer, cfg, heldout, seed)
     records = metrics.read(log_path)
-    gated = gates.finish("rl-agentic", workdir.out, gates.read_chain(inputs.get("rl-reasoning")), "rl-reasoning",
-                         state["gates_before"], gates.measure(model, tokenizer, cfg.gates.evals, seed),
-                         cfg.gates.tolerances, gates.counts(cfg.gates.evals))
-    return {**publish(model, inputs, workdir.out, records, state["before"], after), "gates": gated,
-            "reward_recheck": reward_audit.summary(records, cfg.recheck_alert)}
+    result = summary(records, state["before"], after)
+    result["reward_recheck"] = reward_audit.summary(records, cfg.recheck_alert)
+    gate = GateCheck(cfg.gates, state["gates_before"], trainer.measure_gates(model, tokenizer, cfg.gates, seed),
+                     "rl-reasoning", gates.read_chain(inputs.get("rl-reasoning")))
+    result["gates"] = trainer.publish("rl-agentic", workdir.out, records, model=model, tokenizer_dir=inputs["tokenize"],
+                                      gate=gate, export_info={"reward_last": (result["reward"] or {}).get("last")})
+    return result
 
 
 def worker_config(cfg: RLAgenticConfig, inputs: dict[str, Path], seed: int) -> dict[str, Any]:
@@ -354,14 +343,14 @@ def worker_config(cfg: RLAgenticConfig, inputs: dict[str, Path], seed: int) -> d
             "env_args": cfg.env_args, "threads": 1, "context": cfg.context.model_dump() if cfg.context else None}
 
 
-def publish(model, inputs, out: Path, records, before, after) -> dict[str, Any]:
+def summary(records: list[dict[str, Any]], before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     drops: Counter = Counter()
     lags: Counter = Counter()
     for r in records:
         drops.update(r.get("dropped", {}))
         lags.update({str(k): v for k, v in r.get("lag", {}).items()})
     trained = [g for r in records for g in r["groups"]]
-    result = {
+    return {
         "steps": len(records),
         "reward": metrics.first_last(records, "reward"),
         "heldout_accuracy": {e: {"before": before[e]["acc"], "after": after[e]["acc"], "n": after[e]["n"]}
@@ -378,8 +367,3 @@ def publish(model, inputs, out: Path, records, before, after) -> dict[str, Any]:
         "groups_trained_twice": len(trained) - len(set(trained)),
         "trainer_wait_fraction": sum(r["wait_s"] for r in records) / max(sum(r["step_s"] for r in records), 1e-9),
     }
-    export(model, out, str(inputs["tokenize"]), {"reward_last": (result["reward"] or {}).get("last")})
-    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    keys = sorted({k for r in records for k, v in r.items() if isinstance(v, (int, float)) and k != "step"})
-    metrics.write_tensorboard(records, out / "tensorboard", keys=keys)
-    return result

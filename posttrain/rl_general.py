@@ -14,7 +14,7 @@ off. Each step:
      drops that component for the sample), plus `length_weight` x the length penalty;
   3. the ORM and GRM are JudgeServices with deadlines: a judge past its deadline (or raising)
      fails its samples (Status.REWARD_ERROR, never trained) and the step goes on;
-  4. GRPO + IcePop (rl.grpo.update), as rl-reasoning.
+  4. GRPO + IcePop (rl.update.update), as rl-reasoning.
 Reward-hacking guards: the length penalty, and per step the disagreement rate between the rule,
 ORM and GRM verdicts (rl.judges.disagreement; a policy exploiting one judge shows as that judge
 drifting from the others).
@@ -23,7 +23,7 @@ Metrics: per step in metrics.jsonl / TensorBoard; for the stage: reward first/la
 the verified accuracy of the arithmetic and tool prompts (verified_accuracy, never rewarded:
 the witness that a rising reward is not a gamed judge),
 disagreement first/last, judge failures, the ORM's held-out pairwise accuracy (from the
-reward-model artifact), the evaluation gates (posttrain.gates; a broken gate fails the stage).
+reward-model artifact), the evaluation gates (rl.gates; a broken gate fails the stage).
 Checkpoints as rl-reasoning's: model, optimizer, rollout RNG, step; prompts derive from (seed, step).
 """
 from __future__ import annotations
@@ -47,13 +47,10 @@ from domains.task import Task
 from domains.tools import CALCULATOR
 from glmforge.stage import Workdir
 from model.hf import artifact_weights, load_state
-from model.model import GLMModel, indexer_parameters
-from posttrain import gates
-from posttrain.gates import GateConfig
 from quant.qat import QATConfig
+from rl import gates, trainer
 from rl.algorithms import AdvantageName, PolicyLossName
-from rl.grpo import UpdateParams, assign_advantages, update
-from rl import trainer
+from rl.gates import GateConfig
 from rl.judges import (
     COMPONENTS,
     Judge,
@@ -69,8 +66,9 @@ from rl.judges import (
 from rl.rewards import REWARDS
 from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
 from rl.sample import Sample, Status
+from rl.trainer import GateCheck, OptimConfig
+from rl.update import UpdateParams, assign_advantages, update
 from training import metrics
-from training.loop import export
 
 log = logging.getLogger("glmforge")
 SOURCES = ("gsm8k", "mbpp", "arithmetic", "tool")
@@ -96,9 +94,7 @@ class RLGeneralConfig(BaseModel):
                              "the verdict's expectation over the first token's distribution (rl.judges.grm_judge)")
     grm_max_new_tokens: int = Field(4, ge=1)
     grm_min_number_mass: float = Field(0.05, ge=0, le=1, description="expected: below this, no verdict")
-    lr: float = Field(1e-6, ge=0)
-    betas: tuple[float, float] = (0.9, 0.98)
-    grad_clip: float = Field(1.0, gt=0)
+    optim: OptimConfig = OptimConfig()
     eps_low: float = Field(0.2, ge=0, lt=1)
     eps_high: float = Field(0.28, ge=0)
     icepop_beta: Optional[float] = Field(2.0, gt=1)
@@ -269,26 +265,22 @@ def orm_accuracy(inputs: dict[str, Path]) -> Optional[float]:
 def run_rl_general(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workdir,
                    judges: Optional[dict[str, Judge]] = None) -> dict[str, Any]:
     """`judges` replaces the ORM / GRM built from the inputs (tests: deterministic fakes)."""
+    seed = workdir.seed
     tokenizer = load_tokenizer(inputs["tokenize"])
-    model = load_state(artifact_weights(inputs["rl-agentic"], "rl-agentic"))
-    for p in indexer_parameters(model):
-        p.requires_grad_(False)
+    model = trainer.load_policy(inputs["rl-agentic"], "rl-agentic", tokenizer, seed)
     stop_ids = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
     pad_id = tokenizer.token_to_id("<|pad|>")
-    seed = workdir.seed
-    torch.manual_seed(seed)
     pools = general_pools(cfg)
     if judges is None:
         judges = make_judges(cfg, inputs, tokenizer, stop_ids, pad_id)
     timeouts = {"orm": cfg.orm_timeout_s, "grm": cfg.grm_timeout_s}
     services = {n: JudgeService(n, j, timeouts[n], cfg.judge_chunk) for n, j in judges.items()}
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=cfg.betas,
-                            weight_decay=0.0)
+    opt = trainer.build_optimizer(model, cfg.optim)
     gen = torch.Generator().manual_seed(seed)
     engine = RolloutEngine(model, tokenizer, stop_ids, pad_id, int4=cfg.rollout_int4, batch_size=cfg.rollout_batch)
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
     params = UpdateParams(cfg.eps_low, cfg.eps_high, cfg.icepop_beta, cfg.minibatches, cfg.epochs,
-                          cfg.temperature, cfg.std_normalize, cfg.grad_clip, cfg.policy_loss)
+                          cfg.temperature, cfg.std_normalize, cfg.optim.grad_clip, cfg.policy_loss)
     root, log_path = workdir.checkpoint / "ckpt", workdir.checkpoint / "metrics.jsonl"
     policy = trainer.Policy(model, opt, gen)
     last: list[Sample] = []
@@ -304,7 +296,7 @@ def run_rl_general(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workd
         failures, comps, extra = hybrid_rewards(samples, tokenizer, services, cfg)
         t2 = time.perf_counter()
         flat = assign_advantages(samples, cfg.std_normalize, cfg.advantage)
-        stats = update(model, opt, samples, pad_id, params, gen) if any(s.trainable for s in samples) else {}
+        stats = update(model, opt, samples, pad_id, params, gen)
         t3 = time.perf_counter()
         last[:] = samples
         return step_record(step, samples, tokenizer, comps, stats, flat, failures, extra,
@@ -312,26 +304,34 @@ def run_rl_general(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workd
 
     resumed = trainer.load_latest(root, policy, log_path, "rl-general")
     if resumed is None:
-        start, before = 0, gates.measure(model, tokenizer, cfg.gates.evals, seed)
+        start, before = 0, trainer.measure_gates(model, tokenizer, cfg.gates, seed)
     else:
         start, before = resumed[0], resumed[1]["before"]
     trainer.run_steps("rl-general", policy, one_step, start=start, steps=cfg.steps, root=root, log_path=log_path,
                       workdir=workdir, checkpoint_every=cfg.checkpoint_every, keep_last=cfg.keep_last,
                       meta=lambda: {"before": before}, describe=lambda r: f"reward {r['reward']:.3f}")
-    after = gates.measure(model, tokenizer, cfg.gates.evals, seed)
+    after = trainer.measure_gates(model, tokenizer, cfg.gates, seed)
     records = metrics.read(log_path)
-    return publish(cfg, model, inputs, workdir.out, records, before, after, last)
+    result = summary(records, inputs)
+    with open(workdir.out / "samples.jsonl", "w") as f:
+        for s in last[: cfg.examples]:
+            f.write(json.dumps({"prompt": s.task.prompt, "response": s.text, "rewards": s.rewards,
+                                "reward": s.reward, "status": s.status.value}) + "\n")
+    gate = GateCheck(cfg.gates, before, after, "rl-agentic", gates.read_chain(inputs.get("rl-agentic")))
+    result["gates"] = trainer.publish("rl-general", workdir.out, records, model=model, tokenizer_dir=inputs["tokenize"],
+                                      gate=gate, export_info={"reward_last": (result["reward"] or {}).get("last")},
+                                      plot=lambda rs, out: plot(rs, out / "reward.png"))
+    return result
 
 
-def publish(cfg: RLGeneralConfig, model: GLMModel, inputs: dict[str, Path], out: Path, records: list[dict[str, Any]],
-            before: dict[str, float], after: dict[str, float], last: list[Sample]) -> dict[str, Any]:
+def summary(records: list[dict[str, Any]], inputs: dict[str, Path]) -> dict[str, Any]:
     failures: Counter = Counter()
     for r in records:
         failures.update(r.get("judge_failures", {}))
     keys = sorted({k for r in records for k in r if k.startswith("reward/")})
     dkeys = sorted({k for r in records for k in r if k.startswith("disagreement/")})
     vkeys = sorted({k for r in records for k in r if k.startswith("verified/")})
-    result: dict[str, Any] = {
+    return {
         "steps": len(records),
         "reward": metrics.first_last(records, "reward"),
         "reward_per_component": {k.split("/", 1)[1]: metrics.first_last(records, k) for k in keys},
@@ -343,20 +343,6 @@ def publish(cfg: RLGeneralConfig, model: GLMModel, inputs: dict[str, Path], out:
         "response_length": metrics.first_last(records, "response_length"),
         "orm_heldout_pairwise_accuracy": orm_accuracy(inputs),
     }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    num = sorted({k for r in records for k, v in r.items() if isinstance(v, (int, float)) and k != "step"})
-    metrics.write_tensorboard(records, out / "tensorboard", keys=num)
-    plot(records, out / "reward.png")
-    with open(out / "samples.jsonl", "w") as f:
-        for s in last[: cfg.examples]:
-            f.write(json.dumps({"prompt": s.task.prompt, "response": s.text, "rewards": s.rewards,
-                                "reward": s.reward, "status": s.status.value}) + "\n")
-    # the gates last: a broken gate raises after the table and plot are written
-    result["gates"] = gates.finish("rl-general", out, gates.read_chain(inputs.get("rl-agentic")), "rl-agentic", before, after,
-                                   cfg.gates.tolerances, gates.counts(cfg.gates.evals))
-    export(model, out, str(inputs["tokenize"]), {"reward_last": (result["reward"] or {}).get("last")})
-    return result
 
 
 def plot(records: list[dict[str, Any]], png: Path) -> None:

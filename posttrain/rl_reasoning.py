@@ -8,7 +8,7 @@ Each step (GLM-5's reasoning RL: fully on-policy, no KL term, group-normalised a
   2. `prompts_per_step` prompts drawn from the domains by weight, `group_size` samples each;
   3. rewards in a killable worker process (rl.rewards; model-written code in rl.sandbox);
   4. advantages per group, pi_train(theta_old) recomputed on the same token ids, then
-     `minibatches` x `epochs` optimizer steps of the GRPO + IcePop loss (rl.grpo, rl.loss).
+     `minibatches` x `epochs` optimizer steps of the GRPO + IcePop loss (rl.update, rl.loss).
 The DSA indexer is frozen and top-k is deterministic (model.kernels' tie rule) during RL, as
 GLM-5 does, so rollouts and training select the same keys.
 
@@ -41,20 +41,18 @@ from domains import arithmetic
 from domains.pools import DOMAINS, gsm8k_tasks, load_pools
 from domains.task import Task
 from glmforge.stage import OPERATIONAL, Workdir
-from model.hf import artifact_weights, load_state
-from model.model import GLMModel, indexer_parameters
-from posttrain import gates
-from posttrain.gates import GateConfig
+from model.model import GLMModel
 from quant.qat import QATConfig
-from rl import reward_audit, trainer
+from rl import gates, reward_audit, trainer
 from rl.algorithms import AdvantageName, PolicyLossName
-from rl.grpo import UpdateParams, assign_advantages, update
+from rl.gates import GateConfig
 from rl.rewards import RewardWorker
 from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
 from rl.sample import Sample, Status
 from rl.sandbox import require_isolation
+from rl.trainer import GateCheck, OptimConfig
+from rl.update import UpdateParams, assign_advantages, update
 from training import metrics
-from training.loop import export
 
 log = logging.getLogger("glmforge")
 
@@ -66,10 +64,7 @@ class RLReasoningConfig(BaseModel):
     prompts_per_step: int = Field(32, ge=1, description="prompts per rollout batch (GLM-5: 32)")
     group_size: int = Field(32, ge=2, description="samples per prompt (GLM-5: 32)")
     domains: dict[str, float] = Field({"arithmetic": 1.0}, description=f"prompt weights over {DOMAINS}")
-    # optimizer: AdamW, no weight decay (GLM-5's RL scripts: Adam lr 1e-6, beta2 0.98)
-    lr: float = Field(1e-6, ge=0, description="0: the control run (rollouts and rewards without learning)")
-    betas: tuple[float, float] = (0.9, 0.98)
-    grad_clip: float = Field(1.0, gt=0)
+    optim: OptimConfig = OptimConfig()
     # the loss
     eps_low: float = Field(0.2, ge=0, lt=1, description="PPO clip below 1")
     eps_high: float = Field(0.28, ge=0, description="PPO clip above 1 (clip-higher)")
@@ -196,37 +191,25 @@ def evaluate(engine: RolloutEngine, policy: GLMModel, worker: RewardWorker, toke
     return out
 
 
-# ---------------------------------------------------------------- checkpoints
 # ---------------------------------------------------------------- the stage
 def run_rl_reasoning(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
     require_sandbox(cfg)
+    seed = workdir.seed
     tokenizer = load_tokenizer(inputs["tokenize"])
-    model = load_state(artifact_weights(inputs["sft"], "sft"))
-    if model.config.vocab_size < tokenizer.get_vocab_size():
-        raise ValueError(f"rl-reasoning: the SFT model's vocab_size {model.config.vocab_size} is smaller than "
-                         f"the tokenizer's {tokenizer.get_vocab_size()} tokens")
-    for p in indexer_parameters(model):         # GLM-5 freezes the DSA indexer during RL
-        p.requires_grad_(False)
+    model = trainer.load_policy(inputs["sft"], "sft", tokenizer, seed, cfg.threads)
     stop_ids = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
     pad_id = tokenizer.token_to_id("<|pad|>")
-    seed = workdir.seed
-    torch.manual_seed(seed)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-
     pools = load_pools(cfg.domains, gsm8k_path=cfg.gsm8k_path, gsm8k_skip=cfg.gsm8k_skip, mbpp_path=cfg.mbpp_path)
     heldout = arithmetic.tasks(cfg.heldout, "heldout", seed)
     gsm8k = gsm8k_tasks(cfg.gsm8k_test_path, 0)[: cfg.gsm8k_test] if cfg.gsm8k_test else []
 
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=cfg.lr, betas=cfg.betas, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
+    policy = trainer.Policy(model, trainer.build_optimizer(model, cfg.optim), gen)
     engine = RolloutEngine(model, tokenizer, stop_ids, pad_id, int4=cfg.rollout_int4, batch_size=cfg.rollout_batch)
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
     params = UpdateParams(cfg.eps_low, cfg.eps_high, cfg.icepop_beta, cfg.minibatches, cfg.epochs,
-                          cfg.temperature, cfg.std_normalize, cfg.grad_clip, cfg.policy_loss)
+                          cfg.temperature, cfg.std_normalize, cfg.optim.grad_clip, cfg.policy_loss)
     ckpt_root, log_path = workdir.checkpoint / "ckpt", workdir.checkpoint / "metrics.jsonl"
-    policy = trainer.Policy(model, opt, gen)
     last: list[Sample] = []
 
     with RewardWorker() as worker:
@@ -241,7 +224,7 @@ def run_rl_reasoning(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: W
             reward_audit.recheck_rewarded(worker, samples, cfg.recheck_per_step, seed, step, cfg.reward_timeout_s)
             t2 = time.perf_counter()
             flat = assign_advantages(samples, cfg.std_normalize, cfg.advantage)
-            stats = update(model, opt, samples, pad_id, params, gen)
+            stats = update(model, policy.optimizer, samples, pad_id, params, gen)
             t3 = time.perf_counter()
             last[:] = samples
             rec = step_record(step, samples, stats, flat, failures,
@@ -252,7 +235,7 @@ def run_rl_reasoning(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: W
         resumed = trainer.load_latest(ckpt_root, policy, log_path, "rl-reasoning")
         if resumed is None:
             start, before = 0, evaluate(engine, model, worker, tokenizer, cfg, heldout, gsm8k, 0)
-            before["gates"] = gates.measure(model, tokenizer, cfg.gates.evals, seed)
+            before["gates"] = trainer.measure_gates(model, tokenizer, cfg.gates, seed)
         else:
             start, before = resumed[0], resumed[1]["before"]
         trainer.run_steps("rl-reasoning", policy, one_step, start=start, steps=cfg.steps, root=ckpt_root,
@@ -260,22 +243,32 @@ def run_rl_reasoning(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: W
                           keep_last=cfg.keep_last, meta=lambda: {"before": before},
                           describe=lambda r: f"reward {r['reward']:.3f}")
         after = evaluate(engine, model, worker, tokenizer, cfg, heldout, gsm8k, cfg.steps + 1)
-    after["gates"] = gates.measure(model, tokenizer, cfg.gates.evals, seed)
+    after["gates"] = trainer.measure_gates(model, tokenizer, cfg.gates, seed)
 
     records = metrics.read(log_path)
-    return publish(cfg, model, inputs, workdir.out, records, before, after, last)
+    result = summary(cfg, records, before, after)
+    gate = GateCheck(cfg.gates, before["gates"], after["gates"], "sft", gates.read_chain(inputs.get("sft")))
+    result["gates"] = trainer.publish(
+        "rl-reasoning", workdir.out, records, model=model, tokenizer_dir=inputs["tokenize"], gate=gate,
+        export_info={"heldout_before": result["heldout_accuracy"]["before"],
+                     "heldout_after": result["heldout_accuracy"]["after"]},
+        plot=lambda rs, out: plot_rewards(rs, out / "reward.png", result))
+    with open(workdir.out / "samples.jsonl", "w") as f:
+        for s in last[: cfg.examples]:
+            f.write(json.dumps({"domain": s.task.domain, "prompt": s.task.prompt, "response": s.text,
+                                "answer": s.task.answer, "reward": s.reward, "status": s.status.value}) + "\n")
+    return result
 
 
-def publish(cfg: RLReasoningConfig, model: GLMModel, inputs: dict[str, Path], out: Path,
-            records: list[dict[str, Any]], before: dict[str, Any], after: dict[str, Any],
-            last_samples: list[Sample]) -> dict[str, Any]:
+def summary(cfg: RLReasoningConfig, records: list[dict[str, Any]], before: dict[str, Any],
+            after: dict[str, Any]) -> dict[str, Any]:
     b, a = before["heldout"], after["heldout"]
     se = math.sqrt(b["stderr"] ** 2 + a["stderr"] ** 2)
     failures: Counter = Counter()
     for r in records:
         failures.update(r.get("reward_failures", {}))
     domains = sorted({k.split("/", 1)[1] for r in records for k in r if k.startswith("reward/")})
-    result: dict[str, Any] = {
+    return {
         "steps": len(records),
         "reward": metrics.first_last(records, "reward"),
         "reward_per_domain": {d: metrics.first_last(records, f"reward/{d}") for d in domains},
@@ -295,20 +288,6 @@ def publish(cfg: RLReasoningConfig, model: GLMModel, inputs: dict[str, Path], ou
                              for k in ("generate", "reward", "train")},
         "rollout_int4": cfg.rollout_int4 is not None,
     }
-    # the gate before the export: a stage that breaks one publishes nothing
-    result["gates"] = gates.finish("rl-reasoning", out, gates.read_chain(inputs.get("sft")), "sft",
-                                   before["gates"], after["gates"], cfg.gates.tolerances,
-                                   gates.counts(cfg.gates.evals))
-    export(model, out, str(inputs["tokenize"]), {"heldout_before": b["acc"], "heldout_after": a["acc"]})
-    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    keys = sorted({k for r in records for k, v in r.items() if isinstance(v, (int, float)) and k != "step"})
-    metrics.write_tensorboard(records, out / "tensorboard", keys=keys)
-    plot_rewards(records, out / "reward.png", result)
-    with open(out / "samples.jsonl", "w") as f:
-        for s in last_samples[: cfg.examples]:
-            f.write(json.dumps({"domain": s.task.domain, "prompt": s.task.prompt, "response": s.text,
-                                "answer": s.task.answer, "reward": s.reward, "status": s.status.value}) + "\n")
-    return result
 
 
 def plot_rewards(records: list[dict[str, Any]], png: Path, result: dict[str, Any]) -> None:

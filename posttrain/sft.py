@@ -6,7 +6,7 @@
 1. Data: posttrain.sft_data builds the conversations, encodes them with the chat template (loss
    mask = the assistant's tokens) and packs whole samples with their masks under
    workdir.checkpoint/data (rebuilt only when missing: the build is deterministic).
-2. Training: training.stages.train_stage with the `sft` objective (training.objectives), i.e. the shared loop,
+2. Training: training.drivers.train_stage with the `sft` objective (training.objectives), i.e. the shared loop,
    launch, checkpoints, resume and metrics. The objective fake-quantizes the selected weights
    (quant.qat.prepare_qat, state-dict names unchanged, so checkpoints and resume are those
    of any stage) and takes the model's LM + MTP loss on the masked labels (training.data.collate
@@ -79,8 +79,8 @@ from quant.qat import (
 from training import checkpoint, synthetic
 from training.config import TrainConfig
 from training.data import eval_batches
+from training.drivers import train_stage
 from training.objectives import SFTSpec
-from training.stages import train_stage
 from training.synthetic import SyntheticConfig
 
 log = logging.getLogger("glmforge")

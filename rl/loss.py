@@ -1,7 +1,7 @@
 """Policy-gradient losses over per-token log-probs.
 
 Shapes: B samples, T positions. Every tensor is aligned with the targets of the forward pass
-(rl.grpo.collate): `mask` [B,T] is 1 on trained response tokens, `adv` [B] is one advantage
+(rl.update.collate): `mask` [B,T] is 1 on trained response tokens, `adv` [B] is one advantage
 per sample, broadcast to its tokens.
 
 GRPO + IcePop (reasoning RL; GLM-5 section 4.2, IcePop as in slime's `icepop_function`):

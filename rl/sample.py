@@ -36,6 +36,7 @@ class Sample:
     reward_recheck: float | None = None          # independent re-check of a reward: 1 agrees, 0 not (rl.reward_audit)
     advantage: float = 0.0
     train_logprobs: list[float] | None = None    # pi_train(theta_old), recomputed by the trainer
+    teacher_logprobs: list[float] | None = None  # a teacher's log-probs of the response (distillation)
     text: str = ""                               # decoded response, for rewards and logs only
 
     @property

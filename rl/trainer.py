@@ -1,10 +1,19 @@
-"""The post-training stages' one step loop: resume, step, metrics, checkpoint, preemption.
+"""The RL trainer: what every post-training stage after SFT does alike, around its own step.
 
 Every RL-side stage (rl-reasoning, rl-agentic, reward-model, rl-general, distill) is the same
-loop around a different step: a stage builds its policy, optimizer and rollout RNG, measures what
-it measures before training, and hands `run_steps` a `step(k) -> record` function (generate ->
-score -> train for rl-reasoning; poll the rollout workers, then train for rl-agentic; a
-Bradley-Terry batch for the reward model). The loop owns what they must all do alike:
+run around a different step (generate -> score -> train for rl-reasoning; poll the rollout
+workers, then train for rl-agentic; a preference batch for the reward model):
+
+    load_policy       the parent stage's weights, the DSA indexer frozen (GLM-5 keeps it fixed
+                      during RL), the seed and torch threads set
+    build_optimizer   AdamW from the stage's `optim:` section (OptimConfig, one type for all)
+    measure_gates     the evaluation gates before training (rl.gates) ...
+    run_steps         ... the step loop (below) ...
+    publish           ... and after: metrics.jsonl, TensorBoard, the stage's plot, the gate (a
+                      broken one raises and nothing is exported), the model export
+
+A stage supplies its rollout source (rl.rollout's in-process engine, or rl.orchestrator's
+worker pool) and its algorithm by name (rl.algorithms), and `step(k) -> record`. The loop:
 
     resume     load_latest() restores the newest good checkpoint (model, optimizer, rollout RNG,
                the stage's own text files and its JSON meta) and cuts metrics.jsonl back to its step,
@@ -17,18 +26,106 @@ Bradley-Terry batch for the reward model). The loop owns what they must all do a
 """
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from glmforge import shutdown
+from model.hf import artifact_weights, load_state
+from model.model import GLMModel, indexer_parameters
+from rl import gates
+from rl.gates import GateConfig
 from training import checkpoint, metrics
+from training.loop import export
 
 log = logging.getLogger("glmforge")
 STATE = "state.pt"
+
+
+class OptimConfig(BaseModel):
+    """The `optim:` section of every RL-side stage: AdamW (GLM-5's RL scripts: Adam, lr 1e-6,
+    beta2 0.98, no weight decay) and the gradient-norm clip."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    lr: float = Field(1e-6, ge=0, description="0: the control run (rollouts and rewards without learning)")
+    betas: tuple[float, float] = (0.9, 0.98)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+
+
+def build_optimizer(module: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    return torch.optim.AdamW(trainable, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+
+
+def clip_and_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor,
+                  grad_clip: float) -> float:
+    """One optimizer step on `loss`; returns the gradient norm before clipping."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    gnorm = torch.nn.utils.clip_grad_norm_([p for p in module.parameters() if p.requires_grad], grad_clip)
+    optimizer.step()
+    return float(gnorm)
+
+
+def load_policy(parent_dir: Path, parent: str, tokenizer, seed: int, threads: Optional[int] = None) -> GLMModel:
+    """The parent stage's model, ready to train: vocabulary checked against the tokenizer, the DSA
+    indexer frozen, torch seeded (and its threads set when `threads`)."""
+    model = load_state(artifact_weights(parent_dir, parent))
+    if model.config.vocab_size < tokenizer.get_vocab_size():
+        raise ValueError(f"{parent}'s model has vocab_size {model.config.vocab_size}, fewer than the tokenizer's "
+                         f"{tokenizer.get_vocab_size()} tokens")
+    for p in indexer_parameters(model):
+        p.requires_grad_(False)
+    torch.manual_seed(seed)
+    if threads:
+        torch.set_num_threads(threads)
+    return model
+
+
+def measure_gates(model: GLMModel, tokenizer, cfg: GateConfig, seed: int) -> dict[str, float]:
+    return gates.measure(model, tokenizer, cfg.evals, seed)
+
+
+@dataclass(frozen=True)
+class GateCheck:
+    """A stage's gate: its evals before and after, against its parent's chain (rl.gates.finish)."""
+
+    cfg: GateConfig
+    before: dict[str, float]
+    after: dict[str, float]
+    parent_name: str
+    parent_chain: Optional[dict[str, Any]] = None
+
+
+def publish(stage: str, out: Path, records: list[dict[str, Any]], *, model: Optional[GLMModel] = None,
+            tokenizer_dir: Optional[Path] = None, export_info: Optional[dict[str, Any]] = None,
+            gate: Optional[GateCheck] = None,
+            plot: Optional[Callable[[list[dict[str, Any]], Path], None]] = None) -> Optional[dict[str, Any]]:
+    """The end of a stage, in this order: metrics.jsonl, TensorBoard of every numeric key and the
+    stage's plot (written even when the gate then fails: they show why); the gate (rl.gates.GateError
+    when broken: nothing is exported); the model export (with `model`: consolidated weights + HF
+    layout, training.loop.export). Returns the gate chain's results (None without a gate)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    keys = sorted({k for r in records for k, v in r.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"})
+    metrics.write_tensorboard(records, out / "tensorboard", keys=keys)
+    if plot is not None and records:
+        plot(records, out)
+    gated = None
+    if gate is not None:
+        gated = gates.finish(stage, out, gate.parent_chain, gate.parent_name, gate.before, gate.after,
+                             gate.cfg.tolerances, gates.counts(gate.cfg.evals))
+    if model is not None:
+        export(model, out, str(tokenizer_dir) if tokenizer_dir else None, export_info or {})
+    return gated
 
 
 @dataclass

@@ -9,7 +9,7 @@ can run any task and a retried task rewrites its own files. Output equals dedup_
 minhash.run.
 
 The pipeline's dedup-exact / dedup-minhash stages run here when their config section has a
-`dask:` entry (tasks.stages passes `stage_runner(step)` to the runner in place of the stage
+`dask:` entry (tasks.stage_task passes `stage_runner(step)` to the runner in place of the stage
 function; the stage key is the same, the section being operational).
 """
 from __future__ import annotations

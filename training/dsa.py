@@ -50,7 +50,7 @@ from training.dsa_loss import forward_kwargs, query_rows, warmup_indexer_loss
 from training import synthetic
 from training.longdata import pack_stage_data
 from training.objectives import DsaSparseSpec, DsaWarmupSpec, LMSpec
-from training.stages import train_stage
+from training.drivers import train_stage
 
 log = logging.getLogger("glmforge")
 PROBE_FILE = "indexer_probe.json"

@@ -1,6 +1,6 @@
 """RankSpec: everything a training rank is told, typed.
 
-A training stage builds one (training.stages.rank_spec), writes it as JSON next to its
+A training stage builds one (training.drivers.rank_spec), writes it as JSON next to its
 checkpoints, and starts the ranks on it; each rank validates it back into the same models
 before it touches anything. Nothing crosses this boundary as an untyped dict, and nothing on
 the rank side imports a stage module: the objective is a spec from training.objectives.

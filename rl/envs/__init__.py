@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 from chat.template import ToolCall
-from rl.rewards import RewardOutcome, recheck_outcome
 from domains.task import Task
+from rl.rewards import RewardOutcome, recheck_outcome
 
 __all__ = ["Environment", "StepResult", "ENVIRONMENTS", "register_env", "make_env", "tasks_for", "function_spec",
            "draw", "ToolCall", "RewardOutcome", "recheck_outcome", "manage_context", "context_manager", "TemplateTokenCounter"]
@@ -133,5 +133,5 @@ def check_args(call: ToolCall, tools: Sequence[dict]) -> str | None:
     return None
 
 
-from rl.envs.context import TemplateTokenCounter, context_manager, manage_context  # noqa: E402
 from rl.envs import calc_arith, delayed, search, swe_repair, terminal  # noqa: E402,F401  (registration)
+from rl.envs.context import TemplateTokenCounter, context_manager, manage_context  # noqa: E402

@@ -114,7 +114,7 @@ def test_dask_section_is_validated_and_stays_out_of_the_stage_key():
     from pydantic import ValidationError
 
     from data_processing.common import DaskConfig
-    from data_processing.stages import STEPS
+    from glmforge.pipeline import BY_NAME as STEPS
     from glmforge.runner import stage_key
 
     assert DaskConfig(address="tcp://scheduler:8786", shards_per_task=4).address == "tcp://scheduler:8786"
@@ -150,11 +150,11 @@ def test_pipeline_dedup_stages_on_dask_publish_the_single_process_artifacts(src,
     run_dedup = cd.run_dedup
     monkeypatch.setattr(cd, "run_dedup", lambda step, *a, **k: on_dask.append(step) or run_dedup(step, *a, **k))
 
-    from glmforge.config import TaskConfig, load_config
+    from glmforge.config import RetryConfig, load_config
     from glmforge.pipeline import STAGES, get_stage
     from glmforge.runner import Runner
     from glmforge.store import LocalStore
-    from tasks.stages import run_in_prefect
+    from tasks.stage_task import run_in_prefect
 
     base = ["dedup_exact.shard_size=10", "dedup_minhash.shard_size=9", "dedup_minhash.seed=7",
             "dedup_minhash.verify_threshold=0.85"]
@@ -169,8 +169,8 @@ def test_pipeline_dedup_stages_on_dask_publish_the_single_process_artifacts(src,
 
         @flow
         def dedup():
-            exact = run_in_prefect(get_stage("dedup-exact"), TaskConfig(retries=0), runner, {"quality": quality})
-            mh = run_in_prefect(get_stage("dedup-minhash"), TaskConfig(retries=0), runner,
+            exact = run_in_prefect(get_stage("dedup-exact"), RetryConfig(retries=0), runner, {"quality": quality})
+            mh = run_in_prefect(get_stage("dedup-minhash"), RetryConfig(retries=0), runner,
                                 {"dedup-exact": exact.manifest})
             return exact, mh
 

@@ -11,7 +11,7 @@ import pytest
 
 from data_processing import decontaminate, issue_pr, quality
 from data_processing.common import SAMPLES_DIR, TextSource, content_digest
-from data_processing.stages import STEPS
+from glmforge.pipeline import BY_NAME as STEPS
 
 from .test_quality import small_cfg
 

@@ -190,11 +190,11 @@ def test_transient_error_is_retried_by_prefect_and_succeeds(prefect_server, tmp_
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    from glmforge.config import TaskConfig, load_config
+    from glmforge.config import RetryConfig, load_config
     from glmforge.runner import Runner
     from glmforge.stage import StageSpec
     from glmforge.store import LocalStore
-    from tasks.stages import run_in_prefect
+    from tasks.stage_task import run_in_prefect
 
     marker = tmp_path / "failed-once"
     calls: list[int] = []
@@ -213,7 +213,7 @@ def test_transient_error_is_retried_by_prefect_and_succeeds(prefect_server, tmp_
 
     @flow
     def one_stage():
-        return run_in_prefect(spec, TaskConfig(retries=1, retry_delay_seconds=0), runner, {})
+        return run_in_prefect(spec, RetryConfig(retries=1, retry_delay_seconds=0), runner, {})
 
     state = one_stage(return_state=True)
     result = state.result()

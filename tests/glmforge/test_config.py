@@ -103,9 +103,9 @@ def test_a_preset_extends_another_and_holds_only_its_differences(tmp_path):
 
 
 def test_an_automatic_rerun_past_max_preemptions_is_refused_without_reading_as_a_preemption():
-    from glmforge.config import TaskConfig, check_preemptions
+    from glmforge.config import RetryConfig, check_preemptions
 
-    check_preemptions(3, TaskConfig(max_preemptions=3))
+    check_preemptions(3, RetryConfig(max_preemptions=3))
     with pytest.raises(RuntimeError, match=r"preempted 4 times in a row.*max_preemptions=3") as e:
-        check_preemptions(4, TaskConfig(max_preemptions=3))
+        check_preemptions(4, RetryConfig(max_preemptions=3))
     assert "Preempted" not in str(e.value)  # else the automation would rerun the refusal too

@@ -333,8 +333,8 @@ def test_a_preempted_task_ends_failed_preempted_without_an_in_process_retry(pref
 
     from prefect import flow
 
-    from glmforge.config import TaskConfig
-    from tasks.stages import run_in_prefect
+    from glmforge.config import RetryConfig
+    from tasks.stage_task import run_in_prefect
 
     calls = []
 
@@ -348,7 +348,7 @@ def test_a_preempted_task_ends_failed_preempted_without_an_in_process_retry(pref
     @flow
     def one_stage():
         execute(runner, [spec], record, run_one=lambda s, parents: run_in_prefect(
-            s, TaskConfig(retries=2, retry_delay_seconds=0), runner, parents))
+            s, RetryConfig(retries=2, retry_delay_seconds=0), runner, parents))
 
     state = one_stage(return_state=True)
     assert state.is_failed() and "Preempted" in state.message

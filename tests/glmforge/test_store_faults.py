@@ -314,7 +314,7 @@ def test_stale_lease_expires(store):
     # A holder killed on this machine: its pid is gone, no need to wait for the expiry.
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    from glmforge.store import _machine
+    from glmforge.store.lease import _machine
 
     rec = {"owner": "dead", "machine": _machine(), "pid": dead.pid, "generation": 2,
            "expires": time.time() + 3600, "released": False}

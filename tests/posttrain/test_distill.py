@@ -20,7 +20,7 @@ from posttrain.distill import (
     run_distill,
     teacher_logprobs,
 )
-from rl.grpo import UpdateParams
+from rl.update import UpdateParams
 from rl.opd import opd_loss, token_advantages
 from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
 from rl.sample import Sample
@@ -124,7 +124,7 @@ def test_distillation_recovers_a_forced_regression():
     for step in range(1, 31):
         prompts = {"rl-reasoning": [prompt_ids(tok, t) for t in train[(step - 1) * 12: step * 12]]}
         distill_step(engine, student, opt, {"rl-reasoning": teacher}, prompts, pad, SamplingParams(1.0, 1.0, 4),
-                     UpdateParams(minibatches=1), 5.0, gen, step)
+                     UpdateParams(minibatches=1, policy_loss="opd", adv_clip=5.0), gen, step)
     after = acc(student)
     r = recovery({"arithmetic_acc": 1.0}, {"arithmetic_acc": before}, {"arithmetic_acc": after}, ("arithmetic_acc",))
     assert r["arithmetic_acc"]["recovered"] >= 0.5, (before, after)
@@ -133,7 +133,7 @@ def test_distillation_recovers_a_forced_regression():
 def test_distill_stage_chain_table_and_int4_export(tmp_path):
     tok = make_tokenizer()
     inputs = artifacts(tmp_path / "in", tok, {"sft": 0, "rl-reasoning": 1, "rl-agentic": 2, "rl-general": 3})
-    cfg = DistillConfig(steps=2, prompts_per_teacher=2, lr=1e-3, max_new_tokens=4, checkpoint_every=1,
+    cfg = DistillConfig(steps=2, prompts_per_teacher=2, optim={"lr": 1e-3}, max_new_tokens=4, checkpoint_every=1,
                         qat={"group_size": 16}, gates={"evals": {"arithmetic": 4, "gsm8k": 2, "gsm8k_max_new_tokens": 4,
                                                                   "tool": 2, "tool_max_new_tokens": 4}, "tolerances": {}})
     m = run_distill(cfg, inputs, Workdir.at(tmp_path / "w", seed=0))

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from posttrain import gates
-from posttrain.gates import GateConfig, GateError
+from rl import gates
+from rl.gates import GateConfig, GateError
 
 
 def test_tolerances_are_absolute_for_accuracy_and_relative_for_perplexity():
@@ -26,8 +26,12 @@ def test_an_accuracy_drop_within_the_evals_noise_does_not_fail():
     before, after, tol = {"tool_call_validity": 0.5}, {"tool_call_validity": 0.25}, {"tool_call_validity": 0.2}
     g8 = gates.gate(before, after, tol, small)["tool_call_validity"]
     assert g8["passed"] and g8["noise"] == pytest.approx(2 * ((0.25 + 0.1875) / 8) ** 0.5, abs=1e-4)
+    assert g8["detects"] is False                      # 8 prompts cannot see a 0.2 drop: gates.json says so
     g100 = gates.gate(before, after, tol, large)["tool_call_validity"]
     assert not g100["passed"] and g100["noise"] == pytest.approx(2 * ((0.25 + 0.1875) / 100) ** 0.5, abs=1e-4)
+    assert g100["detects"] is True
+    data = gates.extend(None, "sft", "rl-general", before, after, {"tool_call_validity": g8})
+    assert "noise 0.47, cannot detect it" in gates.table(data)
     # a share of 0 or 1 still has one flip's noise; perplexity has no binomial noise
     assert gates.noise(1.0, 1.0, 100) == pytest.approx(2 * (2 * 0.01 * 0.99 / 100) ** 0.5)
     assert "noise" not in gates.gate({"heldout_ppl": 10.0}, {"heldout_ppl": 20.0}, {"heldout_ppl": 0.5}, large)["heldout_ppl"]

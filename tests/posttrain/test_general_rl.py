@@ -12,7 +12,7 @@ import torch
 from chat.template import pair_text_ids
 from domains.task import Task
 from glmforge.stage import Workdir
-from posttrain import gates
+from rl import gates
 from posttrain.reward_model import (
     RewardModel,
     RewardModelConfig,
@@ -95,7 +95,7 @@ def test_rules_grm_parsing_combination_and_disagreement():
 
 
 def test_reward_model_stage_trains_and_reports_heldout_accuracy(inputs, tmp_path):
-    cfg = RewardModelConfig(steps=3, batch_pairs=4, lr=1e-3, max_len=48, gsm8k_pairs=20, mbpp_pairs=10,
+    cfg = RewardModelConfig(steps=3, batch_pairs=4, optim={"lr": 1e-3}, max_len=48, gsm8k_pairs=20, mbpp_pairs=10,
                             arithmetic_pairs=20, heldout_percent=25, checkpoint_every=2)
     m = run_reward_model(cfg, inputs, Workdir.at(tmp_path, seed=1))
     h = m["heldout_pairwise_accuracy"]
@@ -196,7 +196,7 @@ def _fake_judges():
 
 
 def _cfg(**kw):
-    base = dict(steps=2, prompts_per_step=2, group_size=3, lr=1e-3, max_new_tokens=6, length_target=4,
+    base = dict(steps=2, prompts_per_step=2, group_size=3, optim={"lr": 1e-3}, max_new_tokens=6, length_target=4,
                 checkpoint_every=1, gates={"evals": EVALS, "tolerances": {}})
     return RLGeneralConfig(**{**base, **kw})
 

@@ -27,7 +27,7 @@ def inputs(tmp_path_factory):
 
 
 def _cfg(**kw) -> RLAgenticConfig:
-    base = dict(steps=3, prompts_per_step=2, group_size=3, lr=1e-3, max_new_tokens=6, max_turns=2, heldout=2,
+    base = dict(steps=3, prompts_per_step=2, group_size=3, optim={"lr": 1e-3}, max_new_tokens=6, max_turns=2, heldout=2,
                 workers=1, eta=0, tau=0, sync_every=1, checkpoint_every=1, environments={"calc_arith": 1.0},
                 gates={"evals": {"arithmetic": 4, "gsm8k": 2, "gsm8k_max_new_tokens": 4, "tool": 2, "tool_max_new_tokens": 4}})
     return RLAgenticConfig(**{**base, **kw})

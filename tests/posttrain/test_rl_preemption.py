@@ -78,7 +78,7 @@ def test_sigterm_in_reward_model_checkpoints_and_resume_is_exact(tmp_path):
     from tests.posttrain._chain import artifacts, make_tokenizer
 
     made = artifacts(tmp_path / "in", make_tokenizer(), {"rl-reasoning": 3})
-    cfg = RewardModelConfig(steps=3, batch_pairs=4, lr=1e-3, max_len=48, gsm8k_pairs=20, mbpp_pairs=10,
+    cfg = RewardModelConfig(steps=3, batch_pairs=4, optim={"lr": 1e-3}, max_len=48, gsm8k_pairs=20, mbpp_pairs=10,
                             arithmetic_pairs=20, heldout_percent=25, checkpoint_every=10)
     _stopped_then_resumed(run_reward_model, cfg, made, tmp_path, 1, 2, 3, "head.safetensors")
 

@@ -28,7 +28,7 @@ def inputs(tmp_path_factory):
 
 
 def _cfg(**kw) -> RLReasoningConfig:
-    base = dict(steps=3, prompts_per_step=2, group_size=4, lr=1e-3, max_new_tokens=4, heldout=8,
+    base = dict(steps=3, prompts_per_step=2, group_size=4, optim={"lr": 1e-3}, max_new_tokens=4, heldout=8,
                 gsm8k_test=2, gsm8k_max_new_tokens=4, checkpoint_every=1, rollout_int4={"group_size": 16},
                 reward_timeout_s=30,
                 gates={"evals": {"arithmetic": 4, "gsm8k": 2, "gsm8k_max_new_tokens": 4, "tool": 2, "tool_max_new_tokens": 4}})
@@ -81,7 +81,7 @@ def test_killed_stage_resumes_to_the_uninterrupted_result(inputs, tmp_path):
 
 
 def test_learning_rate_zero_control_stays_flat(inputs, tmp_path):
-    m = run_rl_reasoning(_cfg(lr=0.0), inputs, Workdir.at(tmp_path, seed=3))
+    m = run_rl_reasoning(_cfg(optim={"lr": 0.0}), inputs, Workdir.at(tmp_path, seed=3))
     before = load_file(inputs["sft"] / "consolidated.safetensors")
     after = load_file(tmp_path / "out" / "consolidated.safetensors")
     assert all(torch.equal(before[k], after[k]) for k in before)

@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 
 from glmforge.stage import Workdir
 from posttrain.rl_reasoning import run_rl_reasoning
-from rl.algorithms import ADVANTAGES, POLICY_LOSSES, register_advantage, register_policy_loss
+from posttrain.reward_model import RewardModelConfig
+from rl.algorithms import ADVANTAGES, POLICY_LOSSES, PREFERENCE_LOSSES, register_advantage, register_policy_loss
 from tests.posttrain.test_rl_reasoning import _cfg, inputs  # noqa: F401 (fixture)
 
 
@@ -43,9 +44,17 @@ def test_registered_algorithm_trains_through_the_stage(inputs, tmp_path):  # noq
 def test_unknown_names_are_refused_with_what_is_registered():
     assert {"grpo", "half_baseline"} <= set(ADVANTAGES)
     assert {"icepop", "ppo", "double_sided_is", "reinforce"} <= set(POLICY_LOSSES)
-    with pytest.raises(ValueError, match="unknown policy loss 'nope'; registered: double_sided_is, icepop, ppo"):
+    with pytest.raises(ValueError, match="unknown policy loss 'nope'; registered: double_sided_is, icepop, opd, ppo"):
         _cfg(policy_loss="nope")
+    with pytest.raises(ValueError, match="unknown preference loss 'hinge'; registered: bradley_terry"):
+        RewardModelConfig(loss="hinge")
     with pytest.raises(ValueError, match="unknown advantage estimator 'x'"):
         _cfg(advantage="x")
     with pytest.raises(ValueError, match="is already registered"):
         register_policy_loss("icepop")(lambda logp, batch, params: None)
+
+
+def test_bradley_terry_by_hand():
+    chosen, rejected = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 0.0])
+    want = (-torch.log(torch.sigmoid(torch.tensor(2.0))) + torch.log(torch.tensor(2.0))) / 2
+    assert torch.isclose(PREFERENCE_LOSSES["bradley_terry"](chosen, rejected), want)

@@ -7,7 +7,7 @@ import torch
 from chat.template import STOP_TOKENS
 from domains import arithmetic
 from quant.qat import QATConfig
-from rl.grpo import (
+from rl.update import (
     UpdateParams,
     assign_advantages,
     collate,

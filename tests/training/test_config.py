@@ -13,7 +13,7 @@ from training.launch import command
 from training.longdata import mix_weight
 from training.schedule import lr_factor
 from glmforge.pipeline import TRAINING
-from training.stages import model_config_for
+from training.drivers import model_config_for
 
 
 @pytest.mark.parametrize("zero", [1, 2])

@@ -21,7 +21,7 @@ from tests.training.conftest import MODEL_OVERRIDES
 from tests.training.test_reshard import AT, STEPS, config, losses, reference_run, resume_from
 from training import checkpoint, metrics
 from training.expert_parallel import SHARD_FILE
-from training.stages import run_pretrain
+from training.drivers import run_pretrain
 
 LOGGED = ("loss", "lm", "mtp", "balance", "grad_norm", "expert_load_max_mean")
 CLIP = 0.5   # below the first steps' gradient norms: clipping (over every rank's experts) acts

@@ -17,7 +17,7 @@ from tests.training.conftest import MODEL_OVERRIDES
 from training import checkpoint, metrics
 from training.config import LaunchConfig, PretrainConfig
 from training.launch import REPO, free_port, hostfile_text, node_commands
-from training.stages import run_pretrain
+from training.drivers import run_pretrain
 
 
 def test_two_launchers_as_two_nodes_train_one_job(packed, tmp_path):

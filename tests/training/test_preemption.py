@@ -23,7 +23,7 @@ from glmforge.stage import Workdir
 from tests.training.conftest import MODEL_OVERRIDES
 from training import checkpoint, metrics
 from training.config import PretrainConfig
-from training.stages import run_pretrain
+from training.drivers import run_pretrain
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, EVERY = 30, 10
@@ -39,7 +39,7 @@ STAGE = textwrap.dedent("""
     from glmforge import shutdown
     from glmforge.stage import Workdir
     from training.config import PretrainConfig
-    from training.stages import run_pretrain
+    from training.drivers import run_pretrain
     shutdown.install()
     cfg, packed, root = json.loads(sys.argv[1]), json.loads(sys.argv[2]), Path(sys.argv[3])
     try:

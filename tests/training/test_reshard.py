@@ -17,7 +17,7 @@ from tests.training.conftest import MODEL_OVERRIDES
 from training import checkpoint, metrics
 from training.config import PretrainConfig
 from training.launch import TrainingFailed
-from training.stages import run_pretrain
+from training.drivers import run_pretrain
 
 STEPS, AT = 4, 2     # reference runs 4 steps, checkpoints at 2 and 4; resumes start from step 2
 

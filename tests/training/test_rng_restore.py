@@ -24,7 +24,7 @@ from tests.conftest import free_port
 from training import loop
 from training.objectives import LMSpec, Objective
 from training.rank_spec import RankSpec
-from training.stages import model_config_for, publish, rank_spec
+from training.drivers import model_config_for, publish, rank_spec
 from data_processing.tokenizer import load_tokenizer
 
 STEPS, EVERY = 4, 2

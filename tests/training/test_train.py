@@ -22,7 +22,7 @@ from tests.training.conftest import MODEL_OVERRIDES, stdlib_docs
 from training import checkpoint, metrics
 from training.config import PretrainConfig
 from training.launch import TrainingFailed
-from training.stages import run_pretrain
+from training.drivers import run_pretrain
 
 STEPS, EVERY = 24, 6
 EXACT = ("tokens", "loss", "lm", "mtp", "balance", "lr", "grad_norm", "expert_load_max_mean")

@@ -14,7 +14,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed
 
-from glmforge.config import TaskConfig
+from glmforge.config import RetryConfig
 from glmforge.runner import Runner, StageResult
 from glmforge.shutdown import Preempted
 from glmforge.stage import StageFn, StageSpec
@@ -72,7 +72,7 @@ def engine(spec: StageSpec, section: Any) -> StageFn | None:
     return stage_runner(spec.name) if spec.name in STEPS else None
 
 
-def stage_task(spec: StageSpec, settings: TaskConfig):
+def stage_task(spec: StageSpec, settings: RetryConfig):
     """The Prefect task that runs `spec`: retries from config, our own store-level cache."""
 
     @task(
@@ -100,7 +100,7 @@ def stage_task(spec: StageSpec, settings: TaskConfig):
     return run
 
 
-def run_in_prefect(spec: StageSpec, settings: TaskConfig, runner: Runner, parents: dict[str, Manifest]) -> StageResult:
+def run_in_prefect(spec: StageSpec, settings: RetryConfig, runner: Runner, parents: dict[str, Manifest]) -> StageResult:
     """Run a stage as its Prefect task and return its StageResult (raising its error if it failed).
 
     The task may finish as a custom "Cached" state; calling it with return_state and reading

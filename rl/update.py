@@ -1,8 +1,9 @@
-"""One GRPO update on a batch of scored rollouts (the trainer side of reasoning RL).
+"""One policy update on a batch of scored rollouts: the trainer side of every RL stage.
 
     1. advantages per group (rl.algorithms: `grpo` = rl.loss.group_advantages, or a registered one)
     2. pi_train(theta_old): one no-grad forward over every sample's exact token ids; stored on
-       the samples beside the rollout log-probs (IcePop compares the two)
+       the samples beside the rollout log-probs (IcePop compares the two). Skipped for a loss
+       registered with pi_old=False (double-sided IS reads only the rollout log-probs)
     3. `epochs` passes over `minibatches` shuffled minibatches, one optimizer step each. With one
        step per batch the ratio pi_theta / pi_old is exactly 1 and the PPO clip never acts; from
        the second step on it does.
@@ -16,9 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from model.model import GLMModel
-from rl.algorithms import ADVANTAGES, POLICY_LOSSES
+from rl.algorithms import ADVANTAGES, POLICY_LOSSES, WITHOUT_PI_OLD
 from rl.loss import token_logprobs
 from rl.sample import Sample
+from rl.trainer import clip_and_step
 
 
 def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
@@ -26,7 +28,7 @@ def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
 
     input_ids [B,T]; attention_mask [B,T]; targets [B,T] (the next token at each position);
     response_mask [B,T] = 1 where targets[b,t] is a trained response token; rollout_logprobs,
-    train_logprobs [B,T] aligned with targets (0 elsewhere); advantages [B]."""
+    train_logprobs, teacher_logprobs [B,T] aligned with targets (0 elsewhere); advantages [B]."""
     seqs = [s.prompt_ids + s.response_ids for s in samples]
     T = max(len(x) for x in seqs) - 1
     B = len(samples)
@@ -36,6 +38,7 @@ def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
     resp = torch.zeros(B, T)
     rollout = torch.zeros(B, T)
     train = torch.zeros(B, T)
+    teacher = torch.zeros(B, T)
     for b, (s, seq) in enumerate(zip(samples, seqs)):
         n = len(seq) - 1
         input_ids[b, :n] = torch.tensor(seq[:-1])
@@ -47,8 +50,10 @@ def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
         rollout[b, start:start + r] = torch.tensor(s.rollout_logprobs)
         if s.train_logprobs is not None:
             train[b, start:start + r] = torch.tensor(s.train_logprobs)
+        if s.teacher_logprobs is not None:
+            teacher[b, start:start + r] = torch.tensor(s.teacher_logprobs)
     return {"input_ids": input_ids, "attention_mask": attention, "targets": targets, "response_mask": resp,
-            "rollout_logprobs": rollout, "train_logprobs": train,
+            "rollout_logprobs": rollout, "train_logprobs": train, "teacher_logprobs": teacher,
             "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float)}
 
 
@@ -63,6 +68,7 @@ class UpdateParams:
     std_normalize: bool = False
     grad_clip: float = 1.0
     policy_loss: str = "icepop"        # rl.algorithms.POLICY_LOSSES
+    adv_clip: float | None = None      # opd: |A_t| clip in nats
 
 
 def assign_advantages(samples: list[Sample], std_normalize: bool, estimator: str = "grpo") -> float:
@@ -118,7 +124,11 @@ def update(model: GLMModel, optimizer: torch.optim.Optimizer, samples: list[Samp
            params: UpdateParams, generator: torch.Generator) -> dict[str, float]:
     """Steps 2-3 of the module doc on samples whose advantages are set. Returns mean stats."""
     train = [s for s in samples if s.trainable]
-    entropy = recompute_old_logprobs(model, train, pad_id, params.temperature)
+    if not train:
+        return {}
+    entropy = None
+    if params.policy_loss not in WITHOUT_PI_OLD:
+        entropy = recompute_old_logprobs(model, train, pad_id, params.temperature)
     totals: dict[str, float] = {}
     steps = 0
     model.train()
@@ -130,15 +140,12 @@ def update(model: GLMModel, optimizer: torch.optim.Optimizer, samples: list[Samp
             batch = collate(part, pad_id)
             logp, _ = _forward_logprobs(model, batch, params.temperature)
             loss, stats = POLICY_LOSSES[params.policy_loss](logp, batch, params)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            gnorm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
-                                                   params.grad_clip)
-            optimizer.step()
-            for key, v in {**stats, "loss": float(loss.detach()), "grad_norm": float(gnorm)}.items():
+            gnorm = clip_and_step(model, optimizer, loss, params.grad_clip)
+            for key, v in {**stats, "loss": float(loss.detach()), "grad_norm": gnorm}.items():
                 totals[key] = totals.get(key, 0.0) + v
             steps += 1
     out = {k: v / max(steps, 1) for k, v in totals.items()}
-    out["entropy"] = entropy
+    if entropy is not None:
+        out["entropy"] = entropy
     out["optimizer_steps"] = steps
     return out

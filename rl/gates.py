@@ -15,7 +15,8 @@ most `tolerance` (absolute), perplexity may rise by at most `tolerance` x before
 eval without a tolerance is recorded, not gated. An accuracy is a share of n prompts, so a drop
 also has to exceed the eval's own noise to fail: twice the standard error of the difference of
 two binomial shares over n (`noise` in the table; 0.47 at n = 8 and p = 0.5, 0.14 at n = 100),
-else a stage fails on which 8 GSM8K questions happen to flip. When a gate fails, the stage writes its table
+else a stage fails on which 8 GSM8K questions happen to flip. Where the noise exceeds the tolerance
+the gate cannot see a regression of the tolerance's size: gates.json marks it `detects: false`. When a gate fails, the stage writes its table
 (gates.json / gates.md / gates.png) and raises GateError carrying the table: it ends failed,
 never done. Long-context accuracy is not measured (the tiny models have 256-token contexts).
 
@@ -51,8 +52,11 @@ class GateEvalConfig(BaseModel):
 
     arithmetic: int = Field(100, ge=1, description="held-out addition prompts")
     gsm8k_path: str = "{samples}/gsm8k/test.jsonl"
-    gsm8k: int = Field(8, ge=1, description="GSM8K test questions (accuracy and perplexity)")
-    tool: int = Field(32, ge=1, description="GSM8K test questions offered the calculator (tool_call_validity)")
+    # sized so that each accuracy's noise (2 standard errors of a difference) is below its default
+    # tolerance where the tiny model's shares sit: gsm8k near 0 (0.09 at n 32), tool calls near
+    # 0.5 (0.18 at n 64), addition near 0.9 (0.085 at n 100); gates.json says where it is not
+    gsm8k: int = Field(32, ge=1, description="GSM8K test questions (accuracy and perplexity)")
+    tool: int = Field(64, ge=1, description="GSM8K test questions offered the calculator (tool_call_validity)")
     gsm8k_max_new_tokens: int = Field(48, ge=1)
     tool_max_new_tokens: int = Field(32, ge=1)
     batch: int = Field(64, ge=1, description="sequences per forward / generate call")
@@ -191,8 +195,10 @@ def passes(name: str, before: float, after: float, tolerance: float) -> bool:
 
 def gate(before: dict[str, float], after: dict[str, float], tolerances: dict[str, float],
          n: Optional[dict[str, int]] = None) -> dict[str, dict[str, Any]]:
-    """{eval: {before, after, tolerance, passed[, noise]}} (tolerance None: recorded, not gated).
-    With `n` (counts()), an accuracy fails only past max(tolerance, noise)."""
+    """{eval: {before, after, tolerance, passed[, noise, detects]}} (tolerance None: recorded, not
+    gated). With `n` (counts()), an accuracy fails only past max(tolerance, noise); `detects` is
+    False where the noise exceeds the tolerance: a regression of the tolerance's size would pass
+    unseen (more prompts, `gates.evals`, would see it)."""
     out = {}
     for name in EVALS:
         if name not in before or name not in after:
@@ -201,6 +207,8 @@ def gate(before: dict[str, float], after: dict[str, float], tolerances: dict[str
         entry = {"before": before[name], "after": after[name], "tolerance": tol}
         if n and name in n:
             entry["noise"] = round(noise(before[name], after[name], n[name]), 4)
+        if tol is not None and "noise" in entry:
+            entry["detects"] = entry["noise"] <= tol
         allowed = None if tol is None else max(tol, entry.get("noise", 0.0))
         out[name] = {**entry, "passed": True if allowed is None else passes(name, before[name], after[name], allowed)}
     return out
@@ -242,7 +250,8 @@ def table(data: dict[str, Any]) -> str:
         e = g.get(name, {})
         tol = e.get("tolerance")
         cells = [name] + ["" if v is None else f"{v:.4g}" for v in vals]
-        cells += ["" if tol is None else f"{tol:g}" + (f" (noise {e['noise']:.2g})" if "noise" in e else ""),
+        blind = ", cannot detect it" if e.get("detects") is False else ""
+        cells += ["" if tol is None else f"{tol:g}" + (f" (noise {e['noise']:.2g}{blind})" if "noise" in e else ""),
                   "" if not e else ("yes" if e["passed"] else "**NO**")]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
