@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export DS_ACCELERATOR := cpu
 
-.PHONY: setup demo effects test bench clean
+.PHONY: setup demo effects test test-fast bench clean
 
 # model-written code runs under bubblewrap (rl/sandbox.py): installed here when root with apt-get
 setup: $(VENV)/.installed
@@ -35,7 +35,11 @@ effects: setup
 	$(VENV)/bin/glmforge status
 
 test: setup
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=25
+
+# the inner loop: unit tests only (tests/conftest.py END_TO_END lists what it leaves out)
+test-fast: setup
+	$(PY) -m pytest -q -ra -m "not slow" --durations=10
 
 # every bench under bench/, figures to bench/RESULTS.md (date, machine, settings on each row);
 # hours on 2 cores: `make bench BENCH_ARGS=--quick` for smoke sizes, `BENCH_ARGS="--only s3_upload"` for one

@@ -44,6 +44,7 @@ from pydantic import BaseModel
 from glmforge.shutdown import Preempted
 from glmforge.stage import ProgressFn, StageFn, StageSpec, Workdir, upstream
 from glmforge.store import Lease, Manifest, Store, default_home
+from glmforge.store.lease import pid_alive
 
 log = logging.getLogger("glmforge")
 
@@ -269,12 +270,8 @@ def _alive_here(host: str | None, pid: int | None) -> bool | None:
     """Whether pid runs on this host; None when the record is from another host."""
     if not pid or host != socket.gethostname():
         return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not pid_alive(pid):
         return False
-    except PermissionError:
-        return True
     try:  # a zombie has exited
         return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
     except OSError:

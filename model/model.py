@@ -125,12 +125,14 @@ class GLMModel(nn.Module):
                 position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
                 return_indexer: bool = False, return_attn_probs: bool = False,
                 dense_attention: bool | None = None, compute_mtp: bool | None = None,
-                return_hidden: bool = False) -> GLMOutput:
+                return_hidden: bool = False, logits_at: torch.Tensor | None = None) -> GLMOutput:
         """input_ids [B,T] (+ labels [B,T], already shifted) -> GLMOutput.
 
         attention_mask [B,T]: 1 = real token, 0 = padding.   doc_ids [B,T]: packed documents.
         cache: a KVCache to read and extend (generation).   dense_attention: override the config.
         compute_mtp: run the MTP loss (default: when labels are given and mtp_depth > 0).
+        logits_at [B,T] bool: logits only at these positions, [N,V] (RL scores responses only: the
+        vocabulary projection of every prompt position would be most of a small model's step).
         """
         cfg = self.config
         B, T = input_ids.shape
@@ -147,7 +149,8 @@ class GLMModel(nn.Module):
             if stats is not None:
                 stats_all.append(stats)
         h0 = x
-        out = GLMOutput(logits=None if labels is not None else self.lm_head(self.norm(x)),
+        out = GLMOutput(logits=None if labels is not None else
+                        self.lm_head(self.norm(x if logits_at is None else x[logits_at])),
                         expert_load=[s["load"] for s in stats_all],
                         indexer=idx_outs if return_indexer else None,
                         attn_probs=probs_all if return_attn_probs else None,

@@ -47,11 +47,10 @@ from quant.qat import QATConfig, prepare_qat, ptq_int4, remove_qat, save_int4
 from rl import gates, trainer
 from rl.algorithms import PolicyLossName
 from rl.gates import EVALS, GateConfig
-from rl.loss import token_logprobs
 from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
 from rl.sample import Sample, Status
 from rl.trainer import GateCheck, OptimConfig
-from rl.update import UpdateParams, collate, update
+from rl.update import UpdateParams, collate, response_logprobs, update
 from training import checkpoint, metrics
 
 log = logging.getLogger("glmforge")
@@ -143,7 +142,8 @@ def teacher_logprobs(teacher: GLMModel, samples: list[Sample], pad_id: int, chun
     for i in range(0, len(samples), chunk):
         part = samples[i:i + chunk]
         b = collate(part, pad_id)
-        logp = token_logprobs(teacher(b["input_ids"], attention_mask=b["attention_mask"]).logits, b["targets"])
+        logits = teacher(b["input_ids"], attention_mask=b["attention_mask"], logits_at=b["response_region"] > 0).logits
+        logp, _ = response_logprobs(logits, b, 1.0)
         for k, s in enumerate(part):
             start = len(s.prompt_ids) - 1
             out.append(logp[k, start:start + len(s.response_ids)].tolist())

@@ -113,6 +113,8 @@ class RLGeneralConfig(BaseModel):
     gsm8k_skip: int = Field(200, ge=0)
     mbpp_path: str = "{samples}/mbpp/mbpp.jsonl"
     gates: GateConfig = GateConfig()
+    threads: Optional[int] = Field(None, ge=1, description="torch threads of the trainer process (None: torch's "
+                                   "default; tiny matrices on a shared CPU run fastest on 1)")
     checkpoint_every: int = Field(20, ge=1)
     keep_last: int = Field(2, ge=1)
     examples: int = Field(8, ge=0)
@@ -267,7 +269,7 @@ def run_rl_general(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workd
     """`judges` replaces the ORM / GRM built from the inputs (tests: deterministic fakes)."""
     seed = workdir.seed
     tokenizer = load_tokenizer(inputs["tokenize"])
-    model = trainer.load_policy(inputs["rl-agentic"], "rl-agentic", tokenizer, seed)
+    model = trainer.load_policy(inputs["rl-agentic"], "rl-agentic", tokenizer, seed, cfg.threads)
     stop_ids = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
     pad_id = tokenizer.token_to_id("<|pad|>")
     pools = general_pools(cfg)

@@ -34,13 +34,6 @@ def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, std_normalize:
     return adv
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """logits [B,T,V], targets [B,T] -> log pi(target) [B,T] under logits / temperature
-    (the rollout engine's log-probs use the same temperature)."""
-    logp = (logits.float() / temperature).log_softmax(-1)
-    return logp.gather(-1, targets[..., None]).squeeze(-1)
-
-
 def _per_sample_mean(token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return ((token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
 

@@ -22,7 +22,8 @@ worker pool) and its algorithm by name (rl.algorithms), and `step(k) -> record`.
     checkpoint every `checkpoint_every` steps and at the last (training.checkpoint.save_torch:
                atomic, verified, the last `keep_last` kept), mirrored to the store;
     preemption SIGTERM/SIGINT (glmforge.shutdown) finish the step in flight, write a checkpoint
-               and raise Preempted (the CLI exits 75); a second signal interrupts at once.
+               and raise Preempted (`glmforge run` then stops with 128+signal, the run record
+               "interrupted"; `glmforge resume STAGE` continues); a second signal interrupts at once.
 """
 from __future__ import annotations
 

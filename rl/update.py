@@ -18,7 +18,6 @@ import torch
 
 from model.model import GLMModel
 from rl.algorithms import ADVANTAGES, POLICY_LOSSES, WITHOUT_PI_OLD
-from rl.loss import token_logprobs
 from rl.sample import Sample
 from rl.trainer import clip_and_step
 
@@ -27,7 +26,8 @@ def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded tensors for one forward pass over prompt + response.
 
     input_ids [B,T]; attention_mask [B,T]; targets [B,T] (the next token at each position);
-    response_mask [B,T] = 1 where targets[b,t] is a trained response token; rollout_logprobs,
+    response_mask [B,T] = 1 where targets[b,t] is a trained response token; response_region [B,T]
+    = 1 where it is any response token (tool results inside a response included); rollout_logprobs,
     train_logprobs, teacher_logprobs [B,T] aligned with targets (0 elsewhere); advantages [B]."""
     seqs = [s.prompt_ids + s.response_ids for s in samples]
     T = max(len(x) for x in seqs) - 1
@@ -36,6 +36,7 @@ def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
     targets = torch.full((B, T), pad_id, dtype=torch.long)
     attention = torch.zeros(B, T, dtype=torch.long)
     resp = torch.zeros(B, T)
+    region = torch.zeros(B, T)
     rollout = torch.zeros(B, T)
     train = torch.zeros(B, T)
     teacher = torch.zeros(B, T)
@@ -47,12 +48,14 @@ def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
         start = len(s.prompt_ids) - 1            # position whose target is the first response token
         r = len(s.response_ids)
         resp[b, start:start + r] = torch.tensor(s.loss_mask, dtype=torch.float)
+        region[b, start:start + r] = 1.0
         rollout[b, start:start + r] = torch.tensor(s.rollout_logprobs)
         if s.train_logprobs is not None:
             train[b, start:start + r] = torch.tensor(s.train_logprobs)
         if s.teacher_logprobs is not None:
             teacher[b, start:start + r] = torch.tensor(s.teacher_logprobs)
     return {"input_ids": input_ids, "attention_mask": attention, "targets": targets, "response_mask": resp,
+            "response_region": region,
             "rollout_logprobs": rollout, "train_logprobs": train, "teacher_logprobs": teacher,
             "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float)}
 
@@ -85,16 +88,30 @@ def assign_advantages(samples: list[Sample], std_normalize: bool, estimator: str
     return flat / len(groups.unique())
 
 
-def _forward_logprobs(model: GLMModel, batch: dict[str, torch.Tensor], temperature: float,
-                      want_entropy: bool = False):
-    logits = model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    logp = token_logprobs(logits, batch["targets"], temperature)
+def response_logprobs(logits: torch.Tensor, batch: dict[str, torch.Tensor], temperature: float,
+                      want_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(target) [B,T] at the positions that predict a response token (0 elsewhere), and the
+    entropy there. `logits`: [B,T,V], or [N,V] at those positions only (GLMModel's logits_at).
+    Prompts (a tool schema, a rubric) are most positions and never scored: the vocabulary
+    projection and softmax over all of them were 80% of a tiny rl-general step."""
+    where = batch["response_region"] > 0
+    rows = logits[where] if logits.dim() == 3 else logits
+    lp = (rows.float() / temperature).log_softmax(-1)                           # [N, V]
+    logp = torch.zeros(where.shape, dtype=lp.dtype)
+    logp[where] = lp.gather(-1, batch["targets"][where][:, None]).squeeze(-1)
     if not want_entropy:
         return logp, None
     with torch.no_grad():
-        lp_all = (logits.float() / temperature).log_softmax(-1)
-        ent = -(lp_all.exp() * lp_all).sum(-1)
+        ent = torch.zeros(where.shape, dtype=lp.dtype)
+        ent[where] = -(lp.exp() * lp).sum(-1)
     return logp, ent
+
+
+def _forward_logprobs(model: GLMModel, batch: dict[str, torch.Tensor], temperature: float,
+                      want_entropy: bool = False):
+    logits = model(batch["input_ids"], attention_mask=batch["attention_mask"],
+                   logits_at=batch["response_region"] > 0).logits
+    return response_logprobs(logits, batch, temperature, want_entropy)
 
 
 @torch.no_grad()

@@ -193,3 +193,23 @@ def packed(tmp_path_factory) -> dict[str, Path]:
     from tests.training.conftest import build_packed
 
     return build_packed(tmp_path_factory.mktemp("packed"))
+
+
+# End-to-end modules: they start Prefect servers and workers, training ranks, browsers or whole
+# pipelines. `make test-fast` (pytest -m "not slow") leaves them out for the inner loop; `make
+# test` and CI run everything.
+END_TO_END = (
+    "tests/flows/", "tests/glmforge/test_shutdown.py", "tests/glmforge/test_cli_ops.py",
+    "tests/glmforge/test_store_faults.py", "tests/training/test_expert_parallel.py", "tests/training/test_reshard.py",
+    "tests/training/test_train.py", "tests/training/test_preemption.py", "tests/training/test_multinode.py",
+    "tests/training/test_rng_restore.py", "tests/training/test_dsa_stages.py", "tests/posttrain/test_sft.py",
+    "tests/posttrain/test_rl_agentic.py", "tests/posttrain/test_rl_preemption.py",
+    "tests/data_processing/test_dask_curation.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = Path(str(item.fspath)).relative_to(REPO).as_posix()
+        if path.startswith(END_TO_END):
+            item.add_marker(pytest.mark.slow)

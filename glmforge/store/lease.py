@@ -34,7 +34,8 @@ def _machine() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this id exists on this machine (one of another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -97,7 +98,7 @@ class Lease:
         if rec.get("released") or rec.get("expires", 0) < time.time():
             return True
         if rec.get("machine") == _machine():
-            if not _pid_alive(int(rec.get("pid", 0))):
+            if not pid_alive(int(rec.get("pid", 0))):
                 return True  # killed on this machine: no need to wait for the expiry
             if rec.get("pid") == os.getpid() and rec.get("owner") not in _LIVE_OWNERS:
                 return True  # an earlier attempt in this process that could not release it

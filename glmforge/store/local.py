@@ -30,26 +30,25 @@ class LocalStore(Store):
         shutil.copyfile(src, tmp)
         os.replace(tmp, dest)
 
-    def put_bytes(self, key: str, data: bytes) -> None:
-        dest = self._p(key)
+    def _written_beside(self, dest: Path, data: bytes) -> Path:
+        """`data` durably written to a temporary name next to `dest` (then renamed or linked)."""
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, dest)
+        return tmp
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        dest = self._p(key)
+        os.replace(self._written_beside(dest, data), dest)
 
     def create_exclusive(self, key: str, data: bytes) -> bool:
         # Written in full under a temporary name, then hard-linked: link() fails if the name
         # exists (atomic, also on NFS), and a reader never sees a half-written object.
         dest = self._p(key)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        tmp = self._written_beside(dest, data)
         try:
             os.link(tmp, dest)
             return True

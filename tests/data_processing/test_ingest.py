@@ -168,3 +168,4 @@ def test_keep_ids_off_leaves_the_config_dump_unchanged():
     # the stage key hashes the dump: configs that do not use keep_ids keep their keys
     assert "keep_ids" not in _cfg(path="x").model_dump(mode="json")["sources"][0]
     assert _cfg(path="x", keep_ids=True).model_dump(mode="json")["sources"][0]["keep_ids"] is True
+

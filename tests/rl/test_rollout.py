@@ -12,6 +12,7 @@ from rl.update import (
     assign_advantages,
     collate,
     recompute_old_logprobs,
+    response_logprobs,
     update,
 )
 from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
@@ -71,6 +72,39 @@ def test_collate_aligns_response_tokens_with_targets():
     assert b["response_mask"][1].tolist() == [1, 0, 0, 0] and b["attention_mask"][1].tolist() == [1, 0, 0, 0]
     assert b["advantages"].tolist() == [1.5, 0.0]
 
+
+
+def test_response_logprobs_equal_the_full_softmax_where_a_response_token_is_predicted():
+    """The vocabulary softmax only at response positions (tool results inside one included): the
+    same values and gradients as over every position, zeros elsewhere."""
+    from domains.task import Task
+
+    s = Sample(Task("arithmetic", "", ""), 0, [5, 6, 7], [8, 9, 3], rollout_logprobs=[-0.5, -0.1, -0.2],
+               loss_mask=[1, 0, 1])
+    b = collate([s, Sample(Task("arithmetic", "", ""), 1, [5], [4], rollout_logprobs=[-1.0], loss_mask=[1])], pad_id=0)
+    assert b["response_region"].tolist() == [[0, 0, 1, 1, 1], [1, 0, 0, 0, 0]]
+    logits = torch.randn(2, 5, 11, requires_grad=True)
+    got, ent = response_logprobs(logits, b, 0.7, want_entropy=True)
+    full = (logits / 0.7).log_softmax(-1)
+    want = full.gather(-1, b["targets"][..., None]).squeeze(-1) * b["response_region"]
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(ent, -(full.exp() * full).sum(-1).detach() * b["response_region"])
+    g1, = torch.autograd.grad((got * b["response_mask"]).sum(), logits)
+    g2, = torch.autograd.grad((want * b["response_mask"]).sum(), logits)
+    torch.testing.assert_close(g1, g2)
+    # the same from the [N,V] rows a model returns with logits_at
+    rows, _ = response_logprobs(logits[b["response_region"] > 0], b, 0.7)
+    torch.testing.assert_close(rows, want)
+
+
+def test_logits_at_gives_the_full_logits_rows(tokenizer):
+    model = small_model(tokenizer.get_vocab_size())
+    ids = torch.randint(0, 50, (2, 7))
+    at = torch.zeros(2, 7, dtype=torch.bool)
+    at[0, 3:], at[1, :2] = True, True
+    with torch.no_grad():
+        full = model(ids).logits
+        torch.testing.assert_close(model(ids, logits_at=at).logits, full[at])
 
 def _scored(tokenizer, model, seed=0):
     engine = _engine(tokenizer, model)
