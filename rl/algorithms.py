@@ -38,9 +38,14 @@ def register_advantage(name: str):
 
 
 def register_policy_loss(name: str, pi_old: bool = True):
-    if not pi_old:
-        WITHOUT_PI_OLD.add(name)
-    return registrar(POLICY_LOSSES, "policy loss", name)
+    register = registrar(POLICY_LOSSES, "policy loss", name)
+
+    def deco(fn):
+        register(fn)                   # a refused name leaves WITHOUT_PI_OLD as it was
+        if not pi_old:
+            WITHOUT_PI_OLD.add(name)
+        return fn
+    return deco
 
 
 def register_preference_loss(name: str):
