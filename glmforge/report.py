@@ -683,11 +683,16 @@ def posttraining(run: RunData) -> str:
     rows = []
     for s in (*RL, "distill"):
         m, steps = run.metrics(s), run.steps(s)
+        mis = m.get("mismatch") if isinstance(m.get("mismatch"), dict) else {}
         rows.append([td(s)] + [_share_cell(m, steps, k, f"{s}.{k}")
-                               for k in ("icepop_masked_fraction", "is_masked_fraction")])
-    out.append("<h3>Masked shares of the policy-gradient tokens</h3>"
-               + table(["stage", "IcePop masked share", "IS masked share"], rows)
-               + note("‡ the stage did not record it: the mean over the steps of its metrics.jsonl."))
+                               for k in ("icepop_masked_fraction", "is_masked_fraction")]
+                    + [td(None, f"{s}.mismatch.{k}", _first_last(mis.get(k))) for k in ("abs_logp", "k3")])
+    out.append("<h3>Train/inference mismatch and the tokens it masks</h3>"
+               + table(["stage", "IcePop masked share", "IS masked share", "mean |Δ log p| (first → last)",
+                        "K3 KL(rollout‖train) (first → last)"], rows)
+               + note("‡ the stage did not record it: the mean over the steps of its metrics.jsonl. The "
+                      "mismatch is between the trainer's and the rollout engine's log-probs of the same tokens "
+                      "under the same weights (fake-INT4 rollouts, kernels, batch shapes)."))
     out.append(staleness(run))
     out.append(reward_model(run))
     out.append(gates_section(run))
@@ -700,6 +705,12 @@ def _share_cell(m: dict[str, Any], steps: list[dict[str, Any]], key: str, metric
         return td(None, metric, pct(m[key]))
     vals = [number(r.get(key)) for r in steps if number(r.get(key)) is not None]
     return td(None, metric, f"{pct(sum(vals) / len(vals))}‡" if vals else _NR)
+
+
+def _first_last(v: Any) -> str:
+    if not isinstance(v, dict) or number(v.get("first")) is None:
+        return _NR
+    return f"{number(v['first']):.2g} → {number(v['last']):.2g}"
 
 
 def reward_charts(run: RunData) -> str:
@@ -718,6 +729,10 @@ def reward_charts(run: RunData) -> str:
     steps = run.steps("reward-model")
     panels.append(("reward-model", steps, [("loss", "loss"), ("train_pair_accuracy", "train pair accuracy")],
                    "reward-model: training"))
+    # every policy-gradient stage's mismatch on one panel: rows keyed by stage name
+    mixed = [{"step": r.get("step"), s: r["mismatch/k3"]} for s in (*RL, "distill") for r in run.steps(s)
+             if "mismatch/k3" in r]
+    panels.append(("mismatch", mixed, [(s, s) for s in (*RL, "distill")], "K3 KL(rollout‖train) per step"))
     fig, axes = _figure(3, 13, 6.2, nrows=2)
     for ax, (_, rows, series, title) in zip([a for row in axes for a in row], panels):
         plot_steps(ax, rows, series, title)

@@ -50,7 +50,7 @@ from rl.gates import EVALS, GateConfig
 from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
 from rl.sample import Sample, Status
 from rl.trainer import GateCheck, OptimConfig
-from rl.update import UpdateParams, collate, response_logprobs, update
+from rl.update import UpdateParams, collate, mismatch_trend, response_logprobs, update
 from training import checkpoint, metrics
 
 log = logging.getLogger("glmforge")
@@ -283,6 +283,7 @@ def summary(cfg: DistillConfig, records: list[dict[str, Any]], before: dict[str,
         "domain_accuracy": domains,
         "min_recovered": min(rec_values) if rec_values else None,
         "icepop_masked_fraction": sum(r.get("icepop_masked_fraction", 0.0) for r in records) / len(records),
+        "mismatch": mismatch_trend(records),
         "int4_evals": int4_after,
         "qat": cfg.use_qat,
     }

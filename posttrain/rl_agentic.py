@@ -13,8 +13,9 @@ the policy version that sampled it. The trainer:
     advantages over the valid members, then one optimizer step (rl.update) of the policy loss
     named by `policy_loss`: GLM-5's double-sided IS (rl.loss.double_sided_is_loss, the rollout
     log-probs as pi_old: no pi_old forward pass);
-  - every K optimizer steps publishes the weights as a new version (atomic file; workers load it
-    between requests or turns) and resets the optimizer state, as GLM-5 does after each sync.
+  - every K optimizer steps publishes the weights as a new version (in verified buckets,
+    rl.weight_sync; workers load it whole between requests or turns; its bytes, buckets and
+    seconds in the step's metrics) and resets the optimizer state, as GLM-5 does after each sync.
 With tau = 0, K = 1, eta = 0 and one worker this is synchronous on-policy training, step for step
 (`synchronous: true` runs that reference in-process; a test checks they match).
 
@@ -60,7 +61,7 @@ from rl.sample import Sample
 from rl.sandbox import require_isolation
 from rl.staleness import admit, filter_groups
 from rl.trainer import GateCheck, OptimConfig
-from rl.update import UpdateParams, assign_advantages, update
+from rl.update import UpdateParams, assign_advantages, mismatch_trend, update
 from rl.wire import sample_from_dict, sample_to_dict
 from training import metrics
 
@@ -298,7 +299,9 @@ def run_rl_agentic(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workd
             state["version"] += 1
             reset_optimizer(opt)
             if pool is not None:
-                pool.publish(model, state["version"])
+                sent = pool.publish(model, state["version"])
+                rec.update({"weight_sync/bytes": sent.bytes, "weight_sync/buckets": sent.buckets,
+                            "weight_sync/seconds": sent.seconds})
         trained = [s for ss in take.values() for s in ss]
         rewards = [s.reward for s in trained]
         # a tool result in the response (loss-masked observation tokens) means the episode called a tool
@@ -360,6 +363,7 @@ def summary(records: list[dict[str, Any]], before: dict[str, Any], after: dict[s
         "tool_call_rate": metrics.first_last(records, "tool_call_rate"),
         "dropped_length_mean": _mean([r["dropped_length_mean"] for r in records if r.get("dropped_length_mean")]),
         "is_masked_fraction": sum(r.get("is_masked_fraction", 0.0) for r in records) / len(records),
+        "mismatch": mismatch_trend(records),
         "version_lag_histogram": dict(sorted(lags.items())),
         "worker_restarts": records[-1]["worker_restarts"],
         "rerouted_groups": records[-1]["rerouted"],

@@ -67,7 +67,7 @@ from rl.rewards import REWARDS
 from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
 from rl.sample import Sample, Status
 from rl.trainer import GateCheck, OptimConfig
-from rl.update import UpdateParams, assign_advantages, update
+from rl.update import UpdateParams, assign_advantages, mismatch_trend, update
 from training import metrics
 
 log = logging.getLogger("glmforge")
@@ -343,6 +343,8 @@ def summary(records: list[dict[str, Any]], inputs: dict[str, Path]) -> dict[str,
         "reward_error_fraction": sum(r["reward_error_fraction"] for r in records) / len(records),
         "grm_unparsed_fraction": sum(r["grm_unparsed_fraction"] for r in records) / len(records),
         "response_length": metrics.first_last(records, "response_length"),
+        "icepop_masked_fraction": sum(r.get("icepop_masked_fraction", 0.0) for r in records) / len(records),
+        "mismatch": mismatch_trend(records),
         "orm_heldout_pairwise_accuracy": orm_accuracy(inputs),
     }
 

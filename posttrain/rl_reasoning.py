@@ -51,7 +51,7 @@ from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
 from rl.sample import Sample, Status
 from rl.sandbox import require_isolation
 from rl.trainer import GateCheck, OptimConfig
-from rl.update import UpdateParams, assign_advantages, update
+from rl.update import UpdateParams, assign_advantages, mismatch_trend, update
 from training import metrics
 
 log = logging.getLogger("glmforge")
@@ -278,6 +278,7 @@ def summary(cfg: RLReasoningConfig, records: list[dict[str, Any]], before: dict[
         "gsm8k_test_accuracy": ({"before": before["gsm8k_test"]["acc"], "after": after["gsm8k_test"]["acc"],
                                  "n": after["gsm8k_test"]["n"]} if "gsm8k_test" in after else None),
         "icepop_masked_fraction": sum(r.get("icepop_masked_fraction", 0.0) for r in records) / len(records),
+        "mismatch": mismatch_trend(records),
         "clip_fraction": sum(r.get("clip_fraction", 0.0) for r in records) / len(records),
         "zero_variance_groups": metrics.first_last(records, "zero_variance_groups"),
         "entropy": metrics.first_last(records, "entropy"),

@@ -1,7 +1,7 @@
 """Rollout workers in their own processes, reached over TCP: routing, weights, heartbeats.
 
     pool = WorkerPool(n, config, weights_dir); pool.start()
-    pool.publish(model, version)        # atomic weight file, then ("weights", v, path) to all
+    pool.publish(model, version)        # the version in buckets, then ("weights", v, dir) to all
     pool.submit(group, task, n)         # routed by a consistent hash of the group id
     pool.poll(timeout) -> [(group, samples)]   finished groups, in arrival order
     pool.close()
@@ -13,9 +13,10 @@ heartbeats for `dead_after_s`: it is deregistered (and killed), a replacement is
 in-flight groups are submitted again to their new owners. A group's rollouts are seeded by
 (seed, group, turn) (rl.agent.seed_for), so a re-routed group regenerates the same way.
 
-Weights: the trainer writes a versioned consolidated file under weights_dir (tmp + rename, so
-a worker never loads half a file) and tells every worker; workers apply it between requests or
-between turns. Old versions are deleted once no longer the newest two.
+Weights: the trainer publishes each version in buckets under weights_dir (rl.weight_sync: per-
+bucket sha256, a manifest written last) and tells every worker; a worker verifies the whole
+version before it takes it, and applies it between requests or between turns. Old versions are
+deleted once no longer the newest two.
 """
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from domains.task import Task
-from model.hf import save_state
 from model.model import GLMModel
+from rl import weight_sync
 from rl.sample import Sample
 from rl.wire import sample_from_dict, task_to_dict
 
@@ -82,12 +83,14 @@ class _Worker:
 
 class WorkerPool:
     def __init__(self, n: int, config: dict[str, Any], weights_dir: Path, heartbeat_s: float = 1.0,
-                 dead_after_s: float = 30.0, start_timeout_s: float = 120.0):
+                 dead_after_s: float = 30.0, start_timeout_s: float = 120.0,
+                 bucket_bytes: int = weight_sync.DEFAULT_BUCKET_BYTES):
         if n < 1:
             raise ValueError(f"need at least one rollout worker, got {n}")
         self.n, self.weights_dir = n, Path(weights_dir)
         self.config = {**config, "heartbeat_s": heartbeat_s}
         self.dead_after_s, self.start_timeout_s = dead_after_s, start_timeout_s
+        self.bucket_bytes = bucket_bytes
         self.workers: dict[str, _Worker] = {}
         self.ring = HashRing()
         self.restarts = self.rerouted = 0
@@ -159,17 +162,16 @@ class WorkerPool:
         self.close()
 
     # ------------------------------------------------------------ weights and requests
-    def publish(self, model: GLMModel, version: int) -> Path:
-        path = self.weights_dir / f"v{version:08d}.safetensors"
-        tmp = path.with_suffix(".tmp")
-        save_state(model, tmp)
-        os.replace(tmp, path)
-        self._weights = (version, str(path))
+    def publish(self, model: GLMModel, version: int) -> weight_sync.Published:
+        """Version `version` of the policy in buckets (rl.weight_sync), then ("weights", v, dir) to
+        every worker; the newest two complete versions are kept."""
+        done = weight_sync.publish(self.weights_dir, version, model.state_dict(),
+                                   config_json=model.config.model_dump_json(), bucket_bytes=self.bucket_bytes)
+        self._weights = (version, str(self.weights_dir))
         for w in list(self.workers.values()):
-            self._send(w, ("weights", version, str(path)))
-        for old in sorted(self.weights_dir.glob("v*.safetensors"))[:-2]:
-            old.unlink(missing_ok=True)
-        return path
+            self._send(w, ("weights", version, str(self.weights_dir)))
+        weight_sync.prune(self.weights_dir)
+        return done
 
     def submit(self, group: int, task: Task, n: int) -> str:
         w = self.workers[self.ring.owner(str(group))]

@@ -3,7 +3,8 @@
 It connects to the orchestrator (rl.orchestrator) over TCP with the auth key from the
 environment (GLMFORGE_RL_AUTHKEY, hex; never on the command line), receives its configuration,
 and then serves requests in order:
-    ("weights", version, path)   load a published weight file (between requests or turns)
+    ("weights", version, dir)    load a published policy version, verified whole (rl.weight_sync),
+                                 between requests or turns
     ("generate", group, task, n) run n episodes of the task (rl.agent.run_group) and answer
                                  ("result", worker_id, group, [sample dicts])
     ("stop",)                    exit
@@ -17,6 +18,7 @@ import os
 import sys
 import threading
 from multiprocessing.connection import Client
+from pathlib import Path
 from typing import Any
 
 
@@ -36,8 +38,10 @@ def serve(address: tuple[str, int], worker_id: str) -> None:
     torch.set_num_threads(int(cfg.get("threads", 1)))
     from chat.template import STOP_TOKENS
     from data_processing.tokenizer import load_tokenizer
-    from model.hf import load_state
+    from model.config import ModelConfig
+    from model.model import GLMModel
     from quant.qat import QATConfig
+    from rl import weight_sync
     from rl.agent import context_for, prompt_tools, run_group
     from rl.envs import make_env
     from rl.rollout import RolloutEngine, SamplingParams
@@ -59,9 +63,11 @@ def serve(address: tuple[str, int], worker_id: str) -> None:
 
     threading.Thread(target=beat, daemon=True).start()
 
-    def load(version: int, path: str) -> None:
+    def load(version: int, root: str) -> None:
         nonlocal engine
-        model = load_state(path)
+        config_json, state, _ = weight_sync.load_version(Path(root), version)
+        model = GLMModel(ModelConfig.model_validate_json(config_json))
+        weight_sync.apply(model, state)
         if engine is None:
             stops = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
             engine = RolloutEngine(model, tokenizer, stops, tokenizer.token_to_id("<|pad|>"), int4=int4,

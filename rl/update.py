@@ -13,13 +13,16 @@ group's advantage baseline is computed over the valid members only.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from model.model import GLMModel
 from rl.algorithms import ADVANTAGES, POLICY_LOSSES, WITHOUT_PI_OLD
+from rl.ranks import SINGLE, Ranks, engine_step, is_engine
 from rl.sample import Sample
 from rl.trainer import clip_and_step
+from training import metrics
 
 
 def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
@@ -116,53 +119,117 @@ def _forward_logprobs(model: GLMModel, batch: dict[str, torch.Tensor], temperatu
 
 @torch.no_grad()
 def recompute_old_logprobs(model: GLMModel, samples: list[Sample], pad_id: int, temperature: float,
-                           chunk: int = 64) -> float:
-    """Store pi_train(theta_old) per response token on each sample; returns the mean entropy."""
+                           chunk: int = 64, ranks: Ranks = SINGLE) -> float:
+    """Store pi_train(theta_old) per response token on each sample; returns the mean entropy.
+    On several ranks each computes its share and every sample gets every rank's values."""
     was = model.training
     model.eval()
+    lo, hi = ranks.bounds(len(samples))
+    mine = samples[lo:hi]
     ent_sum, n = 0.0, 0.0
+    values: list[list[float]] = []
     try:
-        for i in range(0, len(samples), chunk):
-            part = samples[i:i + chunk]
-            batch = collate(part, pad_id)
+        for i in range(ranks.chunks(len(samples), chunk)):
+            part = mine[i * chunk:(i + 1) * chunk]
+            batch = collate(part or samples[:1], pad_id)     # an empty share still joins the collectives
             logp, ent = _forward_logprobs(model, batch, temperature, want_entropy=True)
+            if not part:
+                continue
             m = batch["response_mask"]
             ent_sum += float((ent * m).sum())
             n += float(m.sum())
             for b, s in enumerate(part):
                 start = len(s.prompt_ids) - 1
-                s.train_logprobs = logp[b, start:start + len(s.response_ids)].tolist()
+                values.append(logp[b, start:start + len(s.response_ids)].tolist())
     finally:
         model.train(was)
+    for s, lp in zip(samples, [v for share in ranks.gather(values) for v in share]):
+        s.train_logprobs = lp
+    ent_sum, n = ranks.sum([ent_sum, n])
     return ent_sum / max(n, 1.0)
 
 
-def update(model: GLMModel, optimizer: torch.optim.Optimizer, samples: list[Sample], pad_id: int,
-           params: UpdateParams, generator: torch.Generator) -> dict[str, float]:
-    """Steps 2-3 of the module doc on samples whose advantages are set. Returns mean stats."""
+def mismatch(samples: list[Sample], logprobs: str = "train_logprobs") -> dict[str, float]:
+    """The train/inference mismatch on the trained tokens: mean and max |log pi_train - log
+    pi_rollout|, and the K3 estimate of KL(pi_rollout || pi_train) (rho - 1 - log rho with
+    rho = pi_train / pi_rollout, on tokens sampled from pi_rollout: unbiased, never negative)."""
+    diffs = [t - r for s in samples for t, r, m in zip(getattr(s, logprobs) or [], s.rollout_logprobs, s.loss_mask)
+             if m]
+    if not diffs:
+        return {}
+    d = torch.tensor(diffs, dtype=torch.float64)
+    return {"mismatch/abs_logp": float(d.abs().mean()), "mismatch/abs_logp_max": float(d.abs().max()),
+            "mismatch/k3": float((d.exp() - 1 - d).mean())}
+
+
+def mismatch_trend(records: list[dict]) -> dict[str, Any] | None:
+    """A stage's mismatch over its steps (for its summary, `status --json` and the report): the
+    first and last tenth's means of the per-step mean |delta log p| and K3, and the largest |delta|."""
+    if not any("mismatch/k3" in r for r in records):
+        return None
+    return {"abs_logp": metrics.first_last(records, "mismatch/abs_logp"),
+            "k3": metrics.first_last(records, "mismatch/k3"),
+            "abs_logp_max": max(r["mismatch/abs_logp_max"] for r in records if "mismatch/abs_logp_max" in r)}
+
+
+def update(model: GLMModel, optimizer, samples: list[Sample], pad_id: int,
+           params: UpdateParams, generator: torch.Generator, ranks: Ranks = SINGLE) -> dict[str, float]:
+    """Steps 2-3 of the module doc on samples whose advantages are set. Returns mean stats.
+    `optimizer`: a torch optimizer over `model`, or a DeepSpeed engine over it (rl.ranks) with
+    `ranks` saying where this process sits; every rank passes the same samples and generator
+    state, and gets the same stats."""
     train = [s for s in samples if s.trainable]
     if not train:
         return {}
-    entropy = None
+    entropy, mis = None, {}
     if params.policy_loss not in WITHOUT_PI_OLD:
-        entropy = recompute_old_logprobs(model, train, pad_id, params.temperature)
+        entropy = recompute_old_logprobs(model, train, pad_id, params.temperature, ranks=ranks)
+        mis = mismatch(train)
     totals: dict[str, float] = {}
     steps = 0
     model.train()
-    for _ in range(params.epochs):
+    for epoch in range(params.epochs):
         order = torch.randperm(len(train), generator=generator).tolist()
         size = -(-len(train) // params.minibatches)
         for k in range(0, len(train), size):
             part = [train[j] for j in order[k:k + size]]
-            batch = collate(part, pad_id)
+            mine, scale = ranks.share(part)
+            batch = collate(mine, pad_id)
             logp, _ = _forward_logprobs(model, batch, params.temperature)
             loss, stats = POLICY_LOSSES[params.policy_loss](logp, batch, params)
-            gnorm = clip_and_step(model, optimizer, loss, params.grad_clip)
-            for key, v in {**stats, "loss": float(loss.detach()), "grad_norm": gnorm}.items():
+            if not mis and epoch == 0 and k == 0:
+                # without a pi_old pass: the first minibatch's forward is still at theta_old
+                mis = _first_minibatch_mismatch(mine, logp, batch, scale, ranks)
+            if is_engine(optimizer):
+                gnorm = engine_step(optimizer, loss * scale, ranks, params.grad_clip)
+            else:
+                gnorm = clip_and_step(model, optimizer, loss * scale, params.grad_clip)
+            # token-weighted over the ranks, except the loss: the one-rank minibatch loss
+            tokens = float(batch["response_mask"].sum()) * (scale > 0)
+            keys = sorted(stats)
+            reduced = ranks.sum([stats[key] * tokens for key in keys] + [tokens, float(loss.detach()) * scale])
+            merged = {key: v / max(reduced[-2], 1.0) for key, v in zip(keys, reduced)}
+            merged.update(loss=reduced[-1] / ranks.world, grad_norm=gnorm)
+            for key, v in merged.items():
                 totals[key] = totals.get(key, 0.0) + v
             steps += 1
     out = {k: v / max(steps, 1) for k, v in totals.items()}
     if entropy is not None:
         out["entropy"] = entropy
+    out.update(mis)
     out["optimizer_steps"] = steps
     return out
+
+
+def _first_minibatch_mismatch(mine: list[Sample], logp: torch.Tensor, batch: dict[str, torch.Tensor], scale: float,
+                              ranks: Ranks) -> dict[str, float]:
+    """mismatch() over the first minibatch, from its (pre-step) forward, summed over the ranks."""
+    m = batch["response_mask"] * (scale > 0)
+    d = (logp.detach() - batch["rollout_logprobs"]).double() * m
+    n = float(m.sum())
+    total, absum, k3 = ranks.sum([n, float(d.abs().sum()), float(((d.exp() - 1 - d) * m).sum())])
+    if total == 0:
+        return {}
+    local_max = float((d.abs() * m).max()) if n else 0.0
+    return {"mismatch/abs_logp": absum / total, "mismatch/abs_logp_max": max(ranks.gather(local_max)),
+            "mismatch/k3": k3 / total}

@@ -9,9 +9,15 @@ import torch
 from safetensors.torch import load_file
 
 from glmforge.stage import Workdir
-from posttrain.rl_reasoning import run_rl_reasoning
 from posttrain.reward_model import RewardModelConfig
-from rl.algorithms import ADVANTAGES, POLICY_LOSSES, PREFERENCE_LOSSES, register_advantage, register_policy_loss
+from posttrain.rl_reasoning import run_rl_reasoning
+from rl.algorithms import (
+    ADVANTAGES,
+    POLICY_LOSSES,
+    PREFERENCE_LOSSES,
+    register_advantage,
+    register_policy_loss,
+)
 from tests.posttrain.test_rl_reasoning import _cfg, inputs  # noqa: F401 (fixture)
 
 

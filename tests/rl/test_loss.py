@@ -6,7 +6,12 @@ import math
 import pytest
 import torch
 
-from rl.loss import double_sided_is_loss, group_advantages, grpo_icepop_loss, icepop_weights
+from rl.loss import (
+    double_sided_is_loss,
+    group_advantages,
+    grpo_icepop_loss,
+    icepop_weights,
+)
 
 
 def test_group_advantages_mean_centred_and_std_normalised():

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rl.envs import make_env, tasks_for
-from rl.envs import terminal
+from rl.envs import make_env, tasks_for, terminal
 from rl.rewards import Task, score_sample
 from tests.rl.test_rewards import mbpp
 

@@ -7,6 +7,8 @@ import torch
 from chat.template import STOP_TOKENS
 from domains import arithmetic
 from quant.qat import QATConfig
+from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
+from rl.sample import Sample, Status
 from rl.update import (
     UpdateParams,
     assign_advantages,
@@ -15,8 +17,6 @@ from rl.update import (
     response_logprobs,
     update,
 )
-from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
-from rl.sample import Sample, Status
 from tests.rl.conftest import small_model
 
 

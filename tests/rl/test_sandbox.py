@@ -15,8 +15,19 @@ from pathlib import Path
 import pytest
 
 from rl import sandbox
-from rl.sandbox import (ALLOW_WEAK_ENV, OUTPUT_LIMIT, TOOL_PATH, UID_BASE, UID_RANGE, SandboxError, SandboxLimits,
-                        isolation, require_isolation, run_command, run_python)
+from rl.sandbox import (
+    ALLOW_WEAK_ENV,
+    OUTPUT_LIMIT,
+    TOOL_PATH,
+    UID_BASE,
+    UID_RANGE,
+    SandboxError,
+    SandboxLimits,
+    isolation,
+    require_isolation,
+    run_command,
+    run_python,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 

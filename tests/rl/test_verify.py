@@ -6,8 +6,17 @@ import random
 
 import pytest
 
-from rl.verify import (REL_TOL, UnverifiableTest, checks_from_asserts, decode, fresh_calls, judge, recheck,
-                       run_calls, same)
+from rl.verify import (
+    REL_TOL,
+    UnverifiableTest,
+    checks_from_asserts,
+    decode,
+    fresh_calls,
+    judge,
+    recheck,
+    run_calls,
+    same,
+)
 
 
 def test_decode_builds_plain_data_and_refuses_the_rest():

@@ -1,0 +1,144 @@
+"""The RL trainer's update on data-parallel ranks: DeepSpeed ZeRO 0/1/2 and expert parallelism.
+
+Every rank holds the same scored rollout batch (the rollout side hands the whole batch to every
+rank) and walks it in the same minibatch order (rl.update shuffles with a generator seeded alike
+on every rank); each rank trains on its contiguous share of each minibatch. Group baselines are
+computed before any sharding, on the whole batch, so a group split across ranks keeps its
+one-rank advantages.
+
+Normalisation. A policy loss is the mean over its batch's samples (rl.algorithms), so a rank
+scales its share's loss by n_local * world / n_minibatch: DeepSpeed averages gradients over the
+ranks, and that average is then the gradient of the one-rank loss on the whole minibatch, however
+unevenly the minibatch divides. (A per-rank mean, unscaled, would weight a sample on a rank with
+fewer samples more.)
+
+Lock-step. Collectives (DeepSpeed's gradient all-reduce, expert parallelism's all-to-all in every
+MoE forward) need every rank: a rank whose share of a minibatch is empty trains on one sample
+with weight 0, and the recomputation of pi_old runs the same number of forward chunks on every
+rank.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence, TypeVar
+
+import torch
+from torch import nn
+
+from training.expert_parallel import ExpertParallel
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where this process sits among the trainer's data-parallel ranks. One rank (the default)
+    needs no torch.distributed at all."""
+
+    rank: int = 0
+    world: int = 1
+    ep: ExpertParallel | None = None     # expert parallelism's groups, when experts are sharded
+
+    @classmethod
+    def current(cls, ep: ExpertParallel | None = None) -> "Ranks":
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return cls(ep=ep)
+        return cls(dist.get_rank(), dist.get_world_size(), ep)
+
+    def bounds(self, n: int) -> tuple[int, int]:
+        """[lo, hi) of this rank's contiguous share of n items (sizes differ by at most 1)."""
+        base, extra = divmod(n, self.world)
+        lo = self.rank * base + min(self.rank, extra)
+        return lo, lo + base + (self.rank < extra)
+
+    def share(self, items: Sequence[T]) -> tuple[list[T], float]:
+        """This rank's share of a minibatch and the factor on its per-sample-mean loss (module
+        doc); an empty share is one sample of the minibatch at factor 0."""
+        lo, hi = self.bounds(len(items))
+        mine = list(items[lo:hi])
+        if not mine:
+            return [items[0]], 0.0
+        return mine, len(mine) * self.world / len(items)
+
+    def chunks(self, n: int, chunk: int) -> int:
+        """Forward chunks each rank runs over its share of n items: the most any rank needs."""
+        return max(1, math.ceil(math.ceil(n / self.world) / chunk))
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Element-wise sum over the ranks (float64)."""
+        if self.world == 1:
+            return list(values)
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order (picklable objects)."""
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+
+SINGLE = Ranks()
+
+
+def is_engine(optimizer: Any) -> bool:
+    """A DeepSpeed engine (which owns backward, the gradient reduction and the step) rather than
+    a torch optimizer."""
+    return not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "backward")
+
+
+def engine_step(engine, loss: torch.Tensor, ranks: Ranks, grad_clip: float) -> float:
+    """One optimizer step through a DeepSpeed engine on every rank; returns the gradient norm
+    before clipping (of the whole gradient, every expert counted once)."""
+    engine.backward(loss)
+    zero = engine.zero_optimization_stage()
+    norm = None
+    if ranks.ep is not None and zero == 0:
+        # DeepSpeed's ZeRO-0 reduction would average expert shards over all ranks
+        # (training.expert_parallel): reduce and clip here, before the step
+        ranks.ep.reduce_gradients(engine)
+        norm = ranks.ep.clip_grad_norm(engine.module, grad_clip)
+    elif zero == 0:
+        # the gradients are whole and averaged over ranks; DeepSpeed clips in step()
+        norm = _grad_norm(engine.module)
+    engine.step()
+    if norm is None:
+        norm = engine.get_global_grad_norm()
+    return float(norm or 0.0)
+
+
+@torch.no_grad()
+def _grad_norm(module: nn.Module) -> float:
+    grads = [p.grad.float() for p in module.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+
+
+def build_engine(model: nn.Module, optim, zero_stage: int = 0, expert_parallel: int = 1):
+    """A DeepSpeed engine over `model` (already expert-sharded when expert_parallel > 1) with the
+    RL stage's optimizer (rl.trainer.OptimConfig: AdamW, fp32 on CPU) at `zero_stage`, through
+    the builder pretraining uses (training.engine). DeepSpeed leaves norm gains and biases out
+    of weight decay; RL's default decay is 0, where the two are the same."""
+    from training.config import LaunchConfig, TrainConfig
+    from training.engine import build_engine as ds_engine
+    from training.engine import set_lr
+
+    world = Ranks.current().world
+    cfg = TrainConfig(optimizer="adamw", lr=optim.lr or 1.0, betas=optim.betas, weight_decay=optim.weight_decay,
+                      grad_clip=optim.grad_clip, zero_stage=zero_stage, expert_parallel=expert_parallel,
+                      micro_batch_size=1, grad_accum=1, precision="bf16" if torch.cuda.is_available() else "fp32",
+                      launch=LaunchConfig(nproc_per_node=world))
+    engine = ds_engine(model, cfg, torch.cuda.is_available())
+    set_lr(engine, optim.lr)        # 0 (the control run) is a valid RL learning rate
+    return engine

@@ -1,0 +1,94 @@
+"""Bucketed weight sync: a version is published in bounded buckets by several ranks, loaded only
+whole and verified, expert shards joined, and anything missing, corrupt or half-written refused."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rl import weight_sync
+from rl.weight_sync import CorruptBucket, IncompleteVersion, Shard
+from tests.rl.conftest import small_model
+
+VOCAB = 64
+
+
+def _publish_on(world: int, root, version: int, model, bucket_bytes: int):
+    sent = []
+    for r in range(world):
+        sent.append(weight_sync.publish(root, version, weight_sync.rank_part(model, r, world), rank=r, world=world,
+                                        config_json=model.config.model_dump_json(), bucket_bytes=bucket_bytes))
+    return sent
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_a_version_published_in_buckets_by_ranks_loads_back_exactly(world, tmp_path):
+    model = small_model(VOCAB)
+    state = model.state_dict()
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    sent = _publish_on(world, tmp_path, 5, model, bucket_bytes=16 << 10)
+    assert sum(s.buckets for s in sent) > world          # bounded buckets: more than one per rank
+    if world > 1:                                        # the ranks share the bytes
+        assert max(s.bytes for s in sent) < 0.6 * sum(s.bytes for s in sent)
+    for p in tmp_path.glob("v*/*.safetensors"):
+        tensors = weight_sync.load_file(str(p))
+        if len(tensors) > 1:                             # a tensor over the bound goes alone
+            assert sum(t.numel() * t.element_size() for t in tensors.values()) <= 16 << 10
+    config, loaded, moved = weight_sync.load_version(tmp_path, 5)
+    assert moved == sum(s.bytes for s in sent) and moved >= total
+    other = small_model(VOCAB, seed=1)
+    weight_sync.apply(other, loaded)
+    for k, v in state.items():
+        assert torch.equal(other.state_dict()[k], v), k
+    assert json.loads(config)["vocab_size"] == VOCAB
+
+
+def test_expert_shards_are_joined_in_order(tmp_path):
+    full = torch.arange(24.0).reshape(4, 6)
+    for r in range(2):
+        weight_sync.publish(tmp_path, 1, {"experts.w": full[2 * r:2 * r + 2], **({"norm": torch.ones(3)} if r == 0 else {})},
+                            rank=r, world=2, shards={"experts.w": Shard(r, 2)})
+    _, state, _ = weight_sync.load_version(tmp_path, 1)
+    assert torch.equal(state["experts.w"], full) and torch.equal(state["norm"], torch.ones(3))
+
+
+def test_a_version_missing_a_rank_or_a_shard_is_refused(tmp_path):
+    model = small_model(VOCAB)
+    weight_sync.publish(tmp_path, 2, weight_sync.rank_part(model, 0, 2), rank=0, world=2)
+    assert not weight_sync.complete(tmp_path, 2)
+    with pytest.raises(IncompleteVersion, match="version 2 is not complete"):
+        weight_sync.load_version(tmp_path, 2)
+    weight_sync.publish(tmp_path, 3, {"experts.w": torch.zeros(2, 2)}, rank=0, world=1, shards={"experts.w": Shard(0, 2)})
+    with pytest.raises(IncompleteVersion, match=r"expert shards \[0\] of 2"):
+        weight_sync.load_version(tmp_path, 3)
+
+
+def test_a_corrupt_bucket_is_refused_and_nothing_is_applied(tmp_path):
+    model = small_model(VOCAB)
+    _publish_on(2, tmp_path, 4, model, bucket_bytes=16 << 10)
+    bucket = sorted(tmp_path.glob("v00000004/rank00001-*.safetensors"))[0]
+    raw = bytearray(bucket.read_bytes())
+    raw[-1] ^= 0xFF
+    bucket.write_bytes(bytes(raw))
+    with pytest.raises(CorruptBucket, match=bucket.name):
+        weight_sync.load_version(tmp_path, 4)
+
+
+def test_a_state_that_does_not_cover_the_model_is_not_applied(tmp_path):
+    model = small_model(VOCAB)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    partial = dict(small_model(VOCAB, seed=1).state_dict())
+    partial.pop(next(iter(partial)))
+    with pytest.raises(IncompleteVersion, match="missing"):
+        weight_sync.apply(model, partial)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_prune_keeps_the_newest_complete_versions_and_one_in_progress(tmp_path):
+    model = small_model(VOCAB)
+    for v in (1, 2, 3):
+        _publish_on(1, tmp_path, v, model, 1 << 30)
+    weight_sync.publish(tmp_path, 4, {"x": torch.zeros(1)}, rank=0, world=2)      # rank 1 still writing
+    weight_sync.prune(tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("v*")) == ["v00000002", "v00000003", "v00000004"]
