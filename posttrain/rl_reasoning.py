@@ -46,6 +46,7 @@ from quant.qat import QATConfig
 from rl import gates, reward_audit, trainer
 from rl.algorithms import AdvantageName, PolicyLossName
 from rl.gates import GateConfig
+from rl.ranks import SINGLE, ParallelConfig, Ranks, build_engine
 from rl.rewards import RewardWorker
 from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
 from rl.sample import Sample, Status
@@ -104,6 +105,8 @@ class RLReasoningConfig(BaseModel):
     gates: GateConfig = GateConfig()
     threads: Optional[int] = Field(None, ge=1, description="torch threads of the trainer process (None: torch's "
                                    "default; tiny matrices on a shared CPU run fastest on 1)")
+    parallel: ParallelConfig = Field(ParallelConfig(), description="the trainer's ranks (rl.ranks); one: in the "
+                                     "stage's process")
 
     @field_validator("domains")
     @classmethod
@@ -194,7 +197,20 @@ def evaluate(engine: RolloutEngine, policy: GLMModel, worker: RewardWorker, toke
 # ---------------------------------------------------------------- the stage
 def run_rl_reasoning(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
     require_sandbox(cfg)
+    if cfg.parallel.launch.world_size > 1:
+        from rl.launch import run_on_ranks
+
+        return run_on_ranks("rl-reasoning", cfg, inputs, workdir, cfg.parallel.launch)
+    return train(cfg, inputs, workdir)
+
+
+def train(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir,
+          ranks: Ranks = SINGLE) -> dict[str, Any] | None:
+    """The stage in this process, or as one of `ranks` (rl.launch): each rank generates and scores
+    its share of the step's groups with its own sampling RNG, every rank trains on all of them
+    (rl.ranks), rank 0 evaluates, gates, exports and returns the result (the others None)."""
     seed = workdir.seed
+    lead = ranks.rank == 0
     tokenizer = load_tokenizer(inputs["tokenize"])
     model = trainer.load_policy(inputs["sft"], "sft", tokenizer, seed, cfg.threads)
     stop_ids = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
@@ -203,8 +219,14 @@ def run_rl_reasoning(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: W
     heldout = arithmetic.tasks(cfg.heldout, "heldout", seed)
     gsm8k = gsm8k_tasks(cfg.gsm8k_test_path, 0)[: cfg.gsm8k_test] if cfg.gsm8k_test else []
 
+    # one process: one generator for sampling and the minibatch order (as it always was); on
+    # ranks the order's generator is shared and each rank samples from its own
     gen = torch.Generator().manual_seed(seed)
-    policy = trainer.Policy(model, trainer.build_optimizer(model, cfg.optim), gen)
+    sample_gen = gen if ranks.world == 1 else torch.Generator().manual_seed(seed * 1_000_003 + ranks.rank + 1)
+    if ranks.world == 1:
+        policy = trainer.Policy(model, trainer.build_optimizer(model, cfg.optim), gen)
+    else:
+        policy = trainer.Policy(model, build_engine(model, cfg.optim, cfg.parallel.zero_stage), gen, ranks=ranks, rank_rng=sample_gen)
     engine = RolloutEngine(model, tokenizer, stop_ids, pad_id, int4=cfg.rollout_int4, batch_size=cfg.rollout_batch)
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
     params = UpdateParams(cfg.eps_low, cfg.eps_high, cfg.icepop_beta, cfg.minibatches, cfg.epochs,
@@ -217,36 +239,48 @@ def run_rl_reasoning(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: W
             t0 = time.perf_counter()
             engine.sync(model, step)
             tasks = draw_tasks(pools, cfg.domains, cfg.prompts_per_step, seed, step)
-            samples = [Sample(t, g, prompt_ids(tokenizer, t)) for g, t in enumerate(tasks) for _ in range(cfg.group_size)]
-            engine.generate(samples, sampling, gen)
+            lo, hi = ranks.bounds(len(tasks))               # this rank's groups (all of them on one)
+            mine = [Sample(t, g, prompt_ids(tokenizer, t)) for g, t in enumerate(tasks) if lo <= g < hi
+                    for _ in range(cfg.group_size)]
+            engine.generate(mine, sampling, sample_gen)
             t1 = time.perf_counter()
-            failures = score(worker, samples, cfg.reward_timeout_s)
-            reward_audit.recheck_rewarded(worker, samples, cfg.recheck_per_step, seed, step, cfg.reward_timeout_s)
+            failures = score(worker, mine, cfg.reward_timeout_s)
+            reward_audit.recheck_rewarded(worker, mine, cfg.recheck_per_step, seed, step, cfg.reward_timeout_s)
             t2 = time.perf_counter()
+            samples = [s for share in ranks.gather(mine) for s in share]
+            failures = sum((Counter(f) for f in ranks.gather(dict(failures))), Counter())
             flat = assign_advantages(samples, cfg.std_normalize, cfg.advantage)
-            stats = update(model, policy.optimizer, samples, pad_id, params, gen)
+            stats = update(model, policy.optimizer, samples, pad_id, params, gen, ranks)
             t3 = time.perf_counter()
             last[:] = samples
             rec = step_record(step, samples, stats, flat, failures,
                               {"generate": t1 - t0, "reward": t2 - t1, "train": t3 - t2})
-            reward_audit.warn("rl-reasoning", rec, cfg.recheck_alert)
+            if ranks.world > 1:
+                rec["trainer_ranks"] = ranks.world
+            if lead:
+                reward_audit.warn("rl-reasoning", rec, cfg.recheck_alert)
             return rec
 
         resumed = trainer.load_latest(ckpt_root, policy, log_path, "rl-reasoning")
-        if resumed is None:
+        if resumed is not None:
+            start, before = resumed[0], resumed[1]["before"]
+        elif lead:
             start, before = 0, evaluate(engine, model, worker, tokenizer, cfg, heldout, gsm8k, 0)
             before["gates"] = trainer.measure_gates(model, tokenizer, cfg.gates, seed)
         else:
-            start, before = resumed[0], resumed[1]["before"]
+            start, before = 0, {}
         trainer.run_steps("rl-reasoning", policy, one_step, start=start, steps=cfg.steps, root=ckpt_root,
                           log_path=log_path, workdir=workdir, checkpoint_every=cfg.checkpoint_every,
                           keep_last=cfg.keep_last, meta=lambda: {"before": before},
                           describe=lambda r: f"reward {r['reward']:.3f}")
+        if not lead:
+            return None
         after = evaluate(engine, model, worker, tokenizer, cfg, heldout, gsm8k, cfg.steps + 1)
     after["gates"] = trainer.measure_gates(model, tokenizer, cfg.gates, seed)
 
     records = metrics.read(log_path)
     result = summary(cfg, records, before, after)
+    result["trainer_ranks"] = ranks.world
     gate = GateCheck(cfg.gates, before["gates"], after["gates"], "sft", gates.read_chain(inputs.get("sft")))
     result["gates"] = trainer.publish(
         "rl-reasoning", workdir.out, records, model=model, tokenizer_dir=inputs["tokenize"], gate=gate,

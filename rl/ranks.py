@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence, TypeVar
+from typing import Any, Literal, Sequence, TypeVar
 
 import torch
+from pydantic import BaseModel, ConfigDict
 from torch import nn
 
+from training.config import LaunchConfig
 from training.expert_parallel import ExpertParallel
 
 T = TypeVar("T")
@@ -89,6 +91,19 @@ class Ranks:
 
 
 SINGLE = Ranks()
+
+
+class ParallelConfig(BaseModel):
+    """The `parallel:` section of an RL stage: where its trainer runs. One rank (the default)
+    trains in the stage's process with a torch AdamW; more start under the launcher pretraining
+    uses (rl.launch) and train through a DeepSpeed engine at `zero_stage`. Expert parallelism is
+    in the update (build_engine, tested) but not in the stages: their rollouts and evaluations
+    decode on each rank alone, and an expert-parallel model's every forward is a collective."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    launch: LaunchConfig = LaunchConfig()
+    zero_stage: Literal[0, 1, 2] = 0
 
 
 def is_engine(optimizer: Any) -> bool:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -41,11 +42,13 @@ from model.hf import artifact_weights, load_state
 from model.model import GLMModel, indexer_parameters
 from rl import gates
 from rl.gates import GateConfig
+from rl.ranks import SINGLE, Ranks, is_engine
 from training import checkpoint, metrics
 from training.loop import export
 
 log = logging.getLogger("glmforge")
 STATE = "state.pt"
+RANK_RNG = "rng_rank{:05d}.pt"     # on ranks: each rank's own sampling RNG
 
 
 class OptimConfig(BaseModel):
@@ -131,38 +134,84 @@ def publish(stage: str, out: Path, records: list[dict[str, Any]], *, model: Opti
 
 @dataclass
 class Policy:
-    """What a checkpoint holds: the trained module, its optimizer, the rollout RNG (None for a
-    stage that samples nothing) and the stage's own text files (rl-agentic's sample buffer)."""
+    """What a checkpoint holds: the trained module, its optimizer (a torch optimizer, or on ranks
+    the DeepSpeed engine, rl.ranks), the rollout RNG (None for a stage that samples nothing; on
+    ranks the one every rank shares, for the minibatch order), this rank's own sampling RNG (on
+    ranks), and the stage's own text files (rl-agentic's sample buffer)."""
 
     model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: Any
     rng: torch.Generator | None = None
     texts: Callable[[], dict[str, str]] = field(default=lambda: {})
+    ranks: Ranks = SINGLE
+    rank_rng: torch.Generator | None = None
 
 
 def save(root: Path, step: int, policy: Policy, meta: dict[str, Any], keep_last: int) -> None:
+    if is_engine(policy.optimizer):
+        _save_on_ranks(root, step, policy, meta, keep_last)
+        return
     state = {"model": policy.model.state_dict(), "optimizer": policy.optimizer.state_dict()}
     if policy.rng is not None:
         state["rollout_rng"] = policy.rng.get_state()
     checkpoint.save_torch(root, step, state, meta, keep_last, policy.texts(), name=STATE)
 
 
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def _save_on_ranks(root: Path, step: int, policy: Policy, meta: dict[str, Any], keep_last: int) -> None:
+    """A collective: DeepSpeed's checkpoint (module, optimizer, each rank's ZeRO partitions), each
+    rank's sampling RNG, and from rank 0 the shared RNG, the texts and the meta that completes it."""
+    ranks, tag = policy.ranks, checkpoint.tag_for(step)
+    if ranks.rank == 0:
+        shutil.rmtree(root / tag, ignore_errors=True)     # the leftover of an interrupted save
+    _barrier()
+    policy.optimizer.save_checkpoint(str(root), tag=tag, save_latest=False)
+    if policy.rank_rng is not None:
+        torch.save({"rng": policy.rank_rng.get_state()}, root / tag / RANK_RNG.format(ranks.rank))
+    _barrier()
+    if ranks.rank == 0:
+        torch.save({"rollout_rng": policy.rng.get_state()} if policy.rng is not None else {}, root / tag / STATE)
+        for file, text in policy.texts().items():
+            (root / tag / file).write_text(text)
+        checkpoint.finalize(root, tag, {"step": step, "world_size": ranks.world, **meta}, keep_last)
+    _barrier()
+
+
 def load_latest(root: Path, policy: Policy, log_path: Path, stage: str) -> tuple[int, dict[str, Any], Path] | None:
     """(step, meta, folder) of the newest good checkpoint, with the model, optimizer and RNG
     restored and metrics.jsonl cut back to that step; None (and no metrics file) for a fresh
-    start. The stage reads its own text files from the folder."""
+    start. The stage reads its own text files from the folder. On ranks every rank calls it."""
     found = checkpoint.select_resume(root)
+    lead = policy.ranks.rank == 0
     if found is None:
-        log_path.unlink(missing_ok=True)
+        if lead:
+            log_path.unlink(missing_ok=True)
         return None
     tag, meta = found
-    state = torch.load(root / tag / STATE, weights_only=True)
-    policy.model.load_state_dict(state["model"])
-    policy.optimizer.load_state_dict(state["optimizer"])
+    if meta.get("world_size", 1) != policy.ranks.world:
+        raise ValueError(f"{stage}: checkpoint {tag} in {root} was written by {meta.get('world_size', 1)} trainer "
+                         f"rank(s); resume it on as many (the stage's parallel.launch), or delete it to start over")
+    if is_engine(policy.optimizer):
+        policy.optimizer.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
+                                         load_lr_scheduler_states=False)
+        state = torch.load(root / tag / STATE, weights_only=True)
+        if policy.rank_rng is not None:
+            policy.rank_rng.set_state(
+                torch.load(root / tag / RANK_RNG.format(policy.ranks.rank), weights_only=True)["rng"])
+    else:
+        state = torch.load(root / tag / STATE, weights_only=True)
+        policy.model.load_state_dict(state["model"])
+        policy.optimizer.load_state_dict(state["optimizer"])
     if policy.rng is not None:
         policy.rng.set_state(state["rollout_rng"])
-    metrics.truncate(log_path, meta["step"])
-    log.info("%s: resuming after step %d", stage, meta["step"])
+    if lead:
+        metrics.truncate(log_path, meta["step"])
+        log.info("%s: resuming after step %d", stage, meta["step"])
     return meta["step"], meta, root / tag
 
 
@@ -170,13 +219,16 @@ def run_steps(stage: str, policy: Policy, step: Callable[[int], dict[str, Any]],
               root: Path, log_path: Path, workdir: Any, checkpoint_every: int, keep_last: int,
               meta: Callable[[], dict[str, Any]], describe: Callable[[dict[str, Any]], str]) -> None:
     """Steps start+1 .. steps. `meta()` is the JSON saved with each checkpoint; `describe(record)`
-    the progress line."""
+    the progress line. On ranks every rank runs it; rank 0 writes the metrics, and a stop signal
+    to any rank stops all of them after the same step (the flag is summed over the ranks)."""
+    ranks = policy.ranks
     with shutdown.deferred() as stop_requested:
         for k in range(start + 1, steps + 1):
             record = step(k)
-            metrics.append(log_path, record)
-            workdir.progress(k, steps, f"{stage} {describe(record)}")
-            stop = stop_requested() and k < steps
+            if ranks.rank == 0:
+                metrics.append(log_path, record)
+                workdir.progress(k, steps, f"{stage} {describe(record)}")
+            stop = ranks.sum([float(stop_requested())])[0] > 0 and k < steps
             if k % checkpoint_every == 0 or k == steps or stop:
                 save(root, k, policy, meta(), keep_last)
                 workdir.persist_checkpoint()

@@ -47,21 +47,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def command(cfg: LaunchConfig, spec_path: Path, port: int) -> list[str]:
-    """The launcher command line for this config (same config on a laptop and a cluster)."""
+def command(cfg: LaunchConfig, spec_path: Path, port: int, module: str = "training.launch") -> list[str]:
+    """The launcher command line for this config (same config on a laptop and a cluster): every
+    rank runs `python -m MODULE SPEC` (training.launch; rl.launch for the RL stages)."""
     if cfg.launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run",
                 f"--nproc_per_node={cfg.nproc_per_node}", f"--nnodes={cfg.nnodes}",
                 f"--node_rank={cfg.node_rank}", f"--master_addr={cfg.master_addr or '127.0.0.1'}",
                 f"--master_port={port}", "--max_restarts=0",
-                "-m", "training.launch", str(spec_path)]
+                "-m", module, str(spec_path)]
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", f"--master_port={port}",
            f"--num_gpus={cfg.nproc_per_node}"]
     if cfg.master_addr:
         cmd.append(f"--master_addr={cfg.master_addr}")
     if cfg.hostfile:
         cmd += [f"--hostfile={cfg.hostfile}", f"--num_nodes={cfg.nnodes}"]
-    return cmd + ["--module", "training.launch", str(spec_path)]
+    return cmd + ["--module", module, str(spec_path)]
 
 
 def node_commands(cfg: LaunchConfig, spec_path: Path) -> list[list[str]]:
@@ -124,7 +125,8 @@ def _die_with_parent() -> None:
 
 
 def run_ranks(spec: RankSpec, cfg: LaunchConfig, spec_path: Path,
-              on_line: Callable[[str], None] = lambda line: None) -> None:
+              on_line: Callable[[str], None] = lambda line: None, module: str = "training.launch") -> None:
+    """`spec`: a RankSpec, or any spec with write() and preempt_grace_s that `module` reads."""
     spec.write(spec_path)
     port = cfg.master_port or free_port()
     env = dict(os.environ)
@@ -137,10 +139,10 @@ def run_ranks(spec: RankSpec, cfg: LaunchConfig, spec_path: Path,
         # torchrun gives each rank 1 thread, the DeepSpeed launcher nothing: share the cores
         # out so ranks do not oversubscribe them (a 5-20x slowdown on a small machine).
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node)))
-    cmd = command(cfg, spec_path, port)
+    cmd = command(cfg, spec_path, port, module)
     log.info("launching %d rank(s): %s", cfg.world_size, " ".join(cmd))
     tail: deque[str] = deque(maxlen=TAIL_LINES)
-    grace = spec.train.preempt_grace_s
+    grace = spec.train.preempt_grace_s if isinstance(spec, RankSpec) else spec.preempt_grace_s
     # Its own session: a terminal's Ctrl-C or a group kill reaches the ranks only through
     # forward() (once, as SIGTERM), never also through torchrun (whose own SIGTERM handling
     # would be their second signal). If only the stage's process dies (kill -9 of a worker),
@@ -155,7 +157,7 @@ def run_ranks(spec: RankSpec, cfg: LaunchConfig, spec_path: Path,
         """Stop signal to the stage: pass it to the ranks themselves (they finish the step and
         checkpoint, or exit at once on the second); SIGKILL the group if they overrun."""
         forwarded.append(signum)
-        for pid in rank_pids(proc.pid):
+        for pid in rank_pids(proc.pid, module):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
         if not last_resort:
@@ -196,16 +198,16 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def rank_pids(launcher_pid: int) -> list[int]:
+def rank_pids(launcher_pid: int, module: str = "training.launch") -> list[int]:
     """The rank processes under a launcher (torchrun's workers, the DeepSpeed launcher's
-    children): `-m training.launch` processes that are not a launcher themselves."""
+    children): `-m MODULE` processes that are not a launcher themselves."""
     found = []
     for pid in shutdown.descendants(launcher_pid):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"training.launch" in argv and not any(a.startswith((b"torch.distributed", b"deepspeed.launcher"))
+        if module.encode() in argv and not any(a.startswith((b"torch.distributed", b"deepspeed.launcher"))
                                                    for a in argv):
             found.append(pid)
     return found

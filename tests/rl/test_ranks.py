@@ -4,7 +4,8 @@ For GRPO + IcePop, double-sided IS and on-policy distillation: 2 ranks at ZeRO 0
 4 ranks with expert parallelism 2, against rl.update on one rank with a torch AdamW. The batch
 divides unevenly (9 samples, minibatches of 3: shares of 2 and 1 on 2 ranks, one rank with none
 on 4), so the checks would see a per-rank normalisation or a dropped share; the 2-rank workers
-also run those two faults and the test checks that they are seen."""
+also run those two faults and the test checks that they are seen. The 2-rank workers also
+checkpoint on the ranks (ZeRO 0 and 2) and resume a fresh engine to the same next step."""
 from __future__ import annotations
 
 import copy
@@ -79,6 +80,37 @@ def _on_ranks(loss: str, zero: int, ep: int) -> tuple[dict[str, torch.Tensor], d
     return state, stats
 
 
+def _resume_gap(zero: int, root: str) -> float:
+    """Three steps, a checkpoint on the ranks (rl.trainer.save: DeepSpeed's files, each rank's RNG),
+    one more step; then a fresh engine resumed from the checkpoint takes the same step: the
+    largest weight difference (0 when the optimizer state came back whole)."""
+    from pathlib import Path
+
+    from rl import trainer
+    from rl.ranks import build_engine
+
+    def policy():
+        model = small_model(VOCAB)
+        engine = build_engine(model, OPTIM, zero_stage=zero)
+        ranks = Ranks.current()
+        return trainer.Policy(model, engine, torch.Generator().manual_seed(0), ranks=ranks,
+                              rank_rng=torch.Generator().manual_seed(ranks.rank))
+
+    def step(p):
+        update(p.model, p.optimizer, copy.deepcopy(samples()), PAD, params("icepop"), p.rng, p.ranks)
+
+    ckpt = Path(root) / f"ckpt-zero{zero}"
+    a = policy()
+    step(a)
+    trainer.save(ckpt, 1, a, {}, keep_last=2)
+    step(a)
+    b = policy()
+    assert trainer.load_latest(ckpt, b, Path(root) / f"metrics-{zero}.jsonl", "test")[0] == 1
+    step(b)
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    return max(float((sa[k] - sb[k]).abs().max()) for k in sa)
+
+
 def _gap(state, stats, ref_state, ref_stats) -> tuple[float, float]:
     w = max(float((state[k].float() - v.float()).abs().max()) for k, v in ref_state.items())
     return w, abs(stats["loss"] - ref_stats["loss"])
@@ -119,6 +151,9 @@ def _worker(rank: int, world: int, port: int, configs: list[tuple[int, int]], ou
             with mock.patch.object(Ranks, "share", fault):
                 state, stats = _on_ranks(loss, 0, 1)
             results[(loss, name)] = _gap(state, stats, ref_state, ref_stats)
+    if world == 2:
+        for zero in (0, 2):
+            results[("resume", zero)] = _resume_gap(zero, out)
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     import torch.distributed as dist
 
@@ -146,6 +181,8 @@ def test_an_rl_step_on_ranks_equals_the_one_rank_step(world, configs, tmp_path):
             for fault in ("per_rank", "dropped") if world == 2 else ():
                 w, l = res[(loss, fault)]
                 assert w > 10 * TOL, f"rank {r} {loss}: the {fault} fault changed the weights by only {w:.2e}"
+        for zero in (0, 2) if world == 2 else ():
+            assert res[("resume", zero)] == 0.0, f"rank {r} zero {zero}: resumed step differs"
 
 
 def test_shares_cover_a_minibatch_once_and_their_scaled_means_average_to_its_mean():

@@ -1,0 +1,113 @@
+"""rl-reasoning with its trainer on 2 gloo ranks (rl.launch under torchrun): the stage's result
+and artifact, kill -9 of a rank then resume, SIGTERM then resume, each bit-identical to the
+uninterrupted 2-rank run; a checkpoint of another rank count is refused by name.
+
+The random model here earns no reward, so its policy gradient is zero: weight decay moves the
+weights every step instead (the rollouts, and so the metrics, depend on them). That the update on
+ranks equals the one-rank update, and that its optimizer state survives a checkpoint on ranks, is
+tests/rl/test_ranks.py's."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from glmforge import shutdown
+from glmforge.stage import Workdir
+from posttrain.rl_reasoning import run_rl_reasoning
+from tests.posttrain.test_rl_reasoning import _cfg, inputs  # noqa: F401 (fixture)
+from training import checkpoint
+from training.launch import TrainingFailed
+
+RANKS = {"launch": {"nproc_per_node": 2}}
+
+
+def _cfg2(**kw):
+    return _cfg(parallel=RANKS, prompts_per_step=3, optim={"lr": 1e-2, "weight_decay": 0.5}, **kw)
+
+
+def _weights(root):
+    return load_file(root / "out" / "consolidated.safetensors")
+
+
+def _same(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _rank_pids() -> list[int]:
+    found = []
+    for pid in shutdown.descendants(os.getpid()):
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"rl.launch" in argv and b"torch.distributed.run" not in argv:
+            found.append(pid)
+    return sorted(found)
+
+
+@pytest.fixture(scope="module")
+def clean(inputs, tmp_path_factory):  # noqa: F811
+    root = tmp_path_factory.mktemp("clean2")
+    result = run_rl_reasoning(_cfg2(), inputs, Workdir.at(root, seed=3))
+    return root, result
+
+
+def test_the_stage_trains_on_two_ranks_and_publishes(inputs, clean):  # noqa: F811
+    root, m = clean
+    assert m["trainer_ranks"] == 2 and m["steps"] == 3
+    recs = [json.loads(x) for x in (root / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    # all 3 prompts x 4 samples of a step are trained, gathered from both ranks' shares
+    assert all(r["trainer_ranks"] == 2 and r["optimizer_steps"] == 2 for r in recs)
+    assert all("mismatch/k3" in r and r["mismatch/abs_logp"] > 0 for r in recs)   # fake-INT4 rollouts
+    assert m["mismatch"]["k3"]["first"] >= 0
+    assert not _same(load_file(inputs["sft"] / "consolidated.safetensors"), _weights(root))
+    meta = checkpoint.select_resume(root / "checkpoint" / "ckpt")[1]
+    assert meta["world_size"] == 2 and meta["step"] == 3
+
+
+def test_kill_9_of_a_rank_then_resume_is_bit_identical(inputs, clean, tmp_path):  # noqa: F811
+    def kill_rank_1_after_step_2(done, total, desc):
+        if done == 2:
+            pids = _rank_pids()
+            assert len(pids) == 2, pids
+            os.kill(pids[1], signal.SIGKILL)
+
+    with pytest.raises(TrainingFailed, match="failed"):
+        run_rl_reasoning(_cfg2(), inputs, Workdir.at(tmp_path, seed=3, progress=kill_rank_1_after_step_2))
+    assert checkpoint.select_resume(tmp_path / "checkpoint" / "ckpt")[1]["step"] in (1, 2)
+    assert not _rank_pids()
+    run_rl_reasoning(_cfg2(), inputs, Workdir.at(tmp_path, seed=3))
+    assert _same(_weights(clean[0]), _weights(tmp_path))
+    drop_time = lambda root: [{k: v for k, v in json.loads(x).items() if not k.startswith("time/")}  # noqa: E731
+                              for x in (root / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert drop_time(clean[0]) == drop_time(tmp_path)
+
+
+def test_sigterm_stops_every_rank_after_a_checkpoint_and_resume_is_bit_identical(inputs, clean, tmp_path):  # noqa: F811
+    def sigterm_at_1(done, total, desc):
+        if done == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    shutdown.reset()
+    try:
+        # the ranks may be in step 2 by the time step 1's line reaches the stage: they finish it
+        with pytest.raises(shutdown.Preempted, match=r"checkpoint at step [12] of 3") as stopped:
+            run_rl_reasoning(_cfg2(checkpoint_every=10), inputs, Workdir.at(tmp_path, seed=3, progress=sigterm_at_1))
+    finally:
+        shutdown.reset()
+    step = checkpoint.select_resume(tmp_path / "checkpoint" / "ckpt")[1]["step"]
+    assert f"checkpoint at step {step} of 3" in str(stopped.value)
+    run_rl_reasoning(_cfg2(checkpoint_every=10), inputs, Workdir.at(tmp_path, seed=3))
+    assert _same(_weights(clean[0]), _weights(tmp_path))
+
+
+def test_a_checkpoint_of_another_rank_count_is_refused(inputs, tmp_path):  # noqa: F811
+    run_rl_reasoning(_cfg(steps=1), inputs, Workdir.at(tmp_path, seed=3))            # one process, step 1
+    with pytest.raises(TrainingFailed, match="written by 1 trainer rank"):
+        run_rl_reasoning(_cfg2(steps=2), inputs, Workdir.at(tmp_path, seed=3))
