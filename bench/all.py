@@ -167,6 +167,19 @@ def rl_async(out: str) -> tuple[str, str]:
             f"{r['trainer_idle_fraction']:.0%} of the async run", ", ".join(f"{k} {v}" for k, v in r["settings"].items()))
 
 
+def rl_ranks(out: str) -> tuple[str, str]:
+    r = last_json(out)
+    u, rr = r["update"], r["routing_replay"]
+    sync = "; ".join(f"{w['preset']} {w['by_ranks']['2']['bytes'] / 2**20:.0f} MiB by 2 ranks: publish "
+                     f"{w['by_ranks']['2']['publish_s_slowest_rank']:.2f} s, load + verify {w['by_ranks']['2']['load_s']:.2f} s"
+                     for w in r["weight_sync"])
+    return (f"RL update 1 rank {u['one_rank_s']:.2f} s vs 2 ranks {u['two_ranks_s']:.2f} s = {u['ratio']:.2f}x "
+            f"({u['ratio_1_thread']:.2f}x vs 1 thread); weight sync {sync}; INT4 mismatch |d log p| "
+            f"{rr['without_replay']['mismatch/abs_logp']:.3f} -> {rr['with_replay']['mismatch/abs_logp']:.3f} with "
+            f"routing replay (K3 {rr['without_replay']['mismatch/k3']:.4f} -> {rr['with_replay']['mismatch/k3']:.4f})",
+            ", ".join(f"{k} {v}" for k, v in r["settings"].items()))
+
+
 def curation_dask(out: str) -> tuple[str, str]:
     rows = last_json(out)
 
@@ -243,6 +256,8 @@ BENCHES = [
           "RL rollout and trainer tokens/s, one RL step split"),
     Bench("rl_async", ["--steps", "2", "--json"], ["--json"], rl_async,
           "agentic RL, asynchronous vs synchronous, same trained samples"),
+    Bench("rl_ranks", ["--samples", "16", "--repeats", "1", "--sync-presets", "tiny", "--json"], ["--json"], rl_ranks,
+          "RL update on 1 vs 2 gloo ranks, bucketed weight sync (tiny, small), INT4 mismatch with/without routing replay"),
     Bench("curation_dask", ["--max-docs", "500", "--planted", "50"], [], curation_dask,
           "exact + MinHash dedup on Dask (1, 2 workers; 1, 5 shards per task) beside one process"),
     Bench("moe_ep", ["--tokens", "256", "--steps", "3", "--warmup", "1"], [], moe_ep,

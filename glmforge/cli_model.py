@@ -141,6 +141,7 @@ def _plan_info(preset: str, plan_text: str, given: dict, s: dict, as_json: bool)
                 ("optimizer states (fp32; Muon 1, AdamW 2 per element)", "optimizer_states"),
                 ("activations (bf16, + fp32 logits)", "activations"), ("reserve (CUDA, NCCL, fragments)", "reserve"),
                 ("= training", "training_total"),
+                ("= the RL trainer (AdamW: 2 fp32 moments per element)", "rl_training_total"),
                 (f"rollout KV cache ({r['rollout_tokens']} tokens x {r['kv_cache_bytes_per_token']} B)",
                  "rollout_kv_cache"),
                 ("= rollouts (bf16 weights + KV cache + reserve)", "rollout_total")]
@@ -148,6 +149,14 @@ def _plan_info(preset: str, plan_text: str, given: dict, s: dict, as_json: bool)
             typer.echo(f"  {label:<58} {b[key] / GB:9.2f} GB")
         typer.echo(f"  activations: {r['activation_values_per_token']} bf16 values + {r['logit_bytes_per_token']} "
                    "logit bytes per token (model.info.activation_values_per_token)")
+        w = r["weight_sync"]
+        typer.echo(f"  RL weight sync: one version {w['version_bytes'] / GB:.1f} GB (bf16); each trainer GPU sends "
+                   f"{w['send_bytes_per_trainer_gpu'] / GB:.2f} GB, each rollout GPU receives "
+                   f"{w['receive_bytes_per_rollout_gpu'] / GB:.2f} GB: {w['seconds']:.2f} s at {w['gb_per_s']:g} GB/s "
+                   "per GPU")
+        if not r["fits_rl_training"]:
+            typer.echo(f"  the RL trainer does not fit a {r['gpu_mem_gb']} GB GPU with AdamW at this layout: "
+                       "use the pretraining optimizer's layout or more GPUs for the RL stages")
     if not fits:
         typer.echo(f"error: {not_fitting_message(cfg, p, r)}", err=True)
         raise typer.Exit(code=1)

@@ -191,6 +191,7 @@ class Plan:
     optimizer: str = "muon"              # muon (Muon + AdamW for embeddings/head/vectors) | adamw
     gpu_mem_gb: int = 80
     rollout_tokens: int = 0              # KV-cache tokens a GPU holds during RL rollouts
+    sync_gb_per_s: float = 50.0          # a GPU's link for the RL weight sync (400 Gb/s InfiniBand)
     reserve_gb: float = 6.0              # CUDA context, NCCL buffers, allocator fragmentation
 
     @property
@@ -256,6 +257,13 @@ def memory_plan(cfg: ModelConfig, plan: Plan) -> dict:
     train = params + grads + master + states + activations + reserve
     kv = kv_cache_bytes_per_token(cfg) * plan.rollout_tokens
     rollout = 2 * (dense + local_experts) + kv + reserve
+    # the RL trainer: AdamW (GLM-5's RL scripts), two fp32 moments for every element
+    rl_train = params + grads + master + 8 * split(dense, local_experts, 1) + activations + reserve
+    # one policy version in bf16: the trainer ranks each send an even share of it (rl.weight_sync
+    # deals replicated tensors out by size), a rollout GPU receives the weights it serves
+    version = 2 * total
+    send, receive = version / plan.world, 2 * (dense + local_experts)
+    sync_s = max(send, receive) / (plan.sync_gb_per_s * 1e9)
     cap = plan.gpu_mem_gb * GB
     return {
         "plan": f"{plan.nodes}x{plan.gpus_per_node}", "world": plan.world, "zero_stage": plan.zero_stage,
@@ -266,10 +274,12 @@ def memory_plan(cfg: ModelConfig, plan: Plan) -> dict:
         "params_per_gpu": dense + local_experts,
         "bytes": {"parameters": params, "gradients": grads, "master_weights": master, "optimizer_states": states,
                   "activations": activations, "reserve": reserve, "training_total": train,
-                  "rollout_kv_cache": kv, "rollout_total": rollout},
+                  "rl_training_total": rl_train, "rollout_kv_cache": kv, "rollout_total": rollout},
+        "weight_sync": {"version_bytes": version, "send_bytes_per_trainer_gpu": send,
+                        "receive_bytes_per_rollout_gpu": receive, "gb_per_s": plan.sync_gb_per_s, "seconds": sync_s},
         "activation_values_per_token": per_token, "logit_bytes_per_token": logits,
         "kv_cache_bytes_per_token": kv_cache_bytes_per_token(cfg), "rollout_tokens": plan.rollout_tokens,
-        "fits_training": train <= cap, "fits_rollout": rollout <= cap,
+        "fits_training": train <= cap, "fits_rollout": rollout <= cap, "fits_rl_training": rl_train <= cap,
     }
 
 
@@ -337,6 +347,7 @@ class PlanConfig(BaseModel):
     optimizer: Literal["muon", "adamw"] = "muon"
     gpu_mem_gb: Literal[80, 141] = 80
     rollout_tokens: int = Field(0, ge=0, description="latent KV-cache tokens per GPU during RL rollouts")
+    sync_gb_per_s: float = Field(50.0, gt=0, description="GB/s of a GPU's link for the RL weight sync")
 
     def model(self) -> ModelConfig:
         from model.config import preset

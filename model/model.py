@@ -23,7 +23,7 @@ from model.block import Block
 from model.cache import KVCache
 from model.config import ModelConfig
 from model.mla import IndexerOut, Want
-from model.moe import MoE, Router, Experts
+from model.moe import Experts, MoE, Router
 from model.mtp import MTP
 from model.norms import RMSNorm
 from model.rope import Rotary

@@ -26,6 +26,9 @@ training loop's use of all this (groups, gradient reduction, checkpoints): train
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -65,10 +68,15 @@ class Router(nn.Module):
     def _apply(self, fn, recurse=True):
         return _keep_fp32(self, super()._apply, fn, recurse, "e_score_correction_bias")
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [N,D] -> (affinities s [N,E] fp32, chosen [N,K] long, gates [N,K] fp32)."""
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N,D] -> (affinities s [N,E] fp32, chosen [N,K] long, gates [N,K] fp32).
+        replay [N,K]: experts to use instead of the top-k where >= 0 (routing replay); the gates
+        are still the current affinities of those experts, so the router keeps its gradient."""
         s = F.linear(x.float(), self.weight.float()).sigmoid()
         chosen = torch.topk(s + self.e_score_correction_bias, self.k, dim=-1, sorted=False).indices
+        if replay is not None:
+            chosen = torch.where(replay >= 0, replay.long(), chosen)
         g = s.gather(1, chosen)
         g = g / (g.sum(-1, keepdim=True) + 1e-20) * self.scaling
         return s, chosen, g
@@ -141,6 +149,10 @@ class _AllToAll(torch.autograd.Function):
 class MoE(nn.Module):
     ep_group = None  # expert-parallel process group; None = every expert on this rank
     ep_rank, ep_size = 0, 1
+    # routing replay (recording_routes / replaying_routes): a list each forward appends its
+    # chosen experts [B,T,K] to, and the experts [B,T,K] a forward must use (-1: route as usual)
+    record: list | None = None
+    replay: torch.Tensor | None = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -163,7 +175,9 @@ class MoE(nn.Module):
         gradients are off).
         """
         B, T, D = x.shape
-        s, chosen, g = self.gate(x.reshape(-1, D))
+        s, chosen, g = self.gate(x.reshape(-1, D), None if self.replay is None else self.replay.reshape(-1, self.k))
+        if self.record is not None:
+            self.record.append(chosen.detach().view(B, T, -1).to(torch.int16))
         if self.ep_group is None:
             y = self.experts(x.reshape(-1, D), chosen, g).view(B, T, D)
         else:
@@ -204,6 +218,43 @@ class MoE(nn.Module):
         back = _AllToAll.apply(self.experts.apply_each(xs, local_e), send, recv, self.ep_group)
         w = gates.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add(0, tok, (back * w).to(x.dtype))
+
+
+def trunk_moe(model: nn.Module) -> list["MoE"]:
+    """The MoE layers a forward for log-probs runs, in order: not the MTP head's (generation and
+    the RL forward never run it)."""
+    return [m for name, m in model.named_modules() if isinstance(m, MoE) and not name.startswith("mtp.")]
+
+
+@contextmanager
+def recording_routes(model: nn.Module) -> Iterator[list[list[torch.Tensor]]]:
+    """Within the block every trunk MoE layer appends the experts it chose, [B,T,K] int16 per
+    forward, to its list (one list per layer, in order): a rollout's routes, for replay."""
+    layers = trunk_moe(model)
+    logs: list[list[torch.Tensor]] = [[] for _ in layers]
+    for m, log in zip(layers, logs):
+        m.record = log
+    try:
+        yield logs
+    finally:
+        for m in layers:
+            m.record = None
+
+
+@contextmanager
+def replaying_routes(model: nn.Module, routes: list[torch.Tensor] | None) -> Iterator[None]:
+    """Within the block each trunk MoE layer uses the experts `routes[i]` [B,T,K] names (-1: its
+    own top-k) for a forward over [B,T] tokens. None: nothing changes."""
+    layers = trunk_moe(model) if routes is not None else []
+    if routes is not None and len(routes) != len(layers):
+        raise ValueError(f"routes for {len(routes)} MoE layers, the model has {len(layers)}")
+    for m, r in zip(layers, routes or []):
+        m.replay = r
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.replay = None
 
 
 def shard_experts(model: nn.Module, group=None) -> None:

@@ -82,6 +82,8 @@ class RLReasoningConfig(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(512, ge=1)
     rollout_int4: Optional[QATConfig] = Field(None, description="rollouts from a fake-INT4 copy of the weights")
+    routing_replay: bool = Field(False, description="rollouts record each token's experts and the trainer's "
+                                 "forward passes use them (R3): log-probs of the experts that produced the tokens")
     rollout_batch: int = Field(256, ge=1, description="sequences per generate() call")
     # rewards
     reward_timeout_s: float = Field(10.0, gt=0)
@@ -227,7 +229,8 @@ def train(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir,
         policy = trainer.Policy(model, trainer.build_optimizer(model, cfg.optim), gen)
     else:
         policy = trainer.Policy(model, build_engine(model, cfg.optim, cfg.parallel.zero_stage), gen, ranks=ranks, rank_rng=sample_gen)
-    engine = RolloutEngine(model, tokenizer, stop_ids, pad_id, int4=cfg.rollout_int4, batch_size=cfg.rollout_batch)
+    engine = RolloutEngine(model, tokenizer, stop_ids, pad_id, int4=cfg.rollout_int4, batch_size=cfg.rollout_batch,
+                           record_routes=cfg.routing_replay)
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
     params = UpdateParams(cfg.eps_low, cfg.eps_high, cfg.icepop_beta, cfg.minibatches, cfg.epochs,
                           cfg.temperature, cfg.std_normalize, cfg.optim.grad_clip, cfg.policy_loss)

@@ -12,6 +12,7 @@ included: the model must learn to stop.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from chat.template import Message, encode
 from domains.task import Task
 from model.generate import generate
 from model.model import GLMModel
+from model.moe import recording_routes
 from quant.qat import QATConfig, prepare_qat
 from rl.sample import Sample, Status
 
@@ -41,9 +43,11 @@ def prompt_ids(tokenizer, task: Task, tools: list[dict] | None = None) -> list[i
 
 class RolloutEngine:
     def __init__(self, policy: GLMModel, tokenizer, stop_ids: list[int], pad_id: int,
-                 int4: QATConfig | None = None, batch_size: int = 64):
+                 int4: QATConfig | None = None, batch_size: int = 64, record_routes: bool = False):
+        """record_routes: generate() stores on each sample the experts every token was routed to
+        (Sample.routes), for routing replay in the trainer's forward."""
         self.tokenizer, self.stop_ids, self.pad_id = tokenizer, list(stop_ids), pad_id
-        self.int4, self.batch_size = int4, batch_size
+        self.int4, self.batch_size, self.record_routes = int4, batch_size, record_routes
         self.model = copy.deepcopy(policy)
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -58,11 +62,15 @@ class RolloutEngine:
 
     @torch.no_grad()
     def generate(self, samples: list[Sample], params: SamplingParams, generator: torch.Generator) -> None:
-        """Fill response_ids, rollout_logprobs, versions, loss_mask, status and text in place."""
-        done = self.complete([s.prompt_ids for s in samples], params, generator)
-        for s, (toks, lps, stopped) in zip(samples, done):
+        """Fill response_ids, rollout_logprobs, versions, loss_mask, status and text in place (and
+        routes, when recording)."""
+        prefixes = [s.prompt_ids for s in samples]
+        done = []
+        for i in range(0, len(prefixes), self.batch_size):
+            done += self._batch(prefixes[i:i + self.batch_size], params, generator, self.record_routes)
+        for s, (toks, lps, stopped, routes) in zip(samples, done):
             s.status = Status.OK if stopped else Status.TRUNCATED
-            s.response_ids, s.rollout_logprobs = toks, lps
+            s.response_ids, s.rollout_logprobs, s.routes = toks, lps, routes
             s.versions = [self.version] * len(toks)
             s.loss_mask = [1] * len(toks)
             s.text = self.tokenizer.decode(toks, skip_special_tokens=True)
@@ -74,7 +82,7 @@ class RolloutEngine:
         their log-probs, whether a stop token ended it), in order."""
         out = []
         for i in range(0, len(prefixes), self.batch_size):
-            out += self._batch(prefixes[i:i + self.batch_size], params, generator)
+            out += [r[:3] for r in self._batch(prefixes[i:i + self.batch_size], params, generator)]
         return out
 
     @torch.no_grad()
@@ -97,19 +105,25 @@ class RolloutEngine:
             mask[b, T0 - len(p):] = 1
         return ids, mask
 
-    def _batch(self, prefixes: list[list[int]], params: SamplingParams, generator: torch.Generator
-               ) -> list[tuple[list[int], list[float], bool]]:
+    def _batch(self, prefixes: list[list[int]], params: SamplingParams, generator: torch.Generator,
+               record: bool = False) -> list[tuple[list[int], list[float], bool, torch.Tensor | None]]:
         ids, mask = self._left_pad(prefixes)
         greedy = params.temperature == 0
-        gen = generate(self.model, ids, params.max_new_tokens, temperature=params.temperature or 1.0,
-                       top_p=params.top_p, greedy=greedy, generator=generator, attention_mask=mask,
-                       eos_token_id=self.stop_ids)
+        with recording_routes(self.model) if record else contextlib.nullcontext() as logs:
+            gen = generate(self.model, ids, params.max_new_tokens, temperature=params.temperature or 1.0,
+                           top_p=params.top_p, greedy=greedy, generator=generator, attention_mask=mask,
+                           eos_token_id=self.stop_ids)
+        # per MoE layer [B, T0 + tokens fed back, K]: the prefill, then one column per decode step
+        routes = [torch.cat(log, 1) for log in logs] if record and logs else None
+        T0 = ids.shape[1]
         stops = set(self.stop_ids)
         out = []
-        for b in range(len(prefixes)):
+        for b, p in enumerate(prefixes):
             toks = gen.new_tokens[b].tolist()
             lps = gen.logprobs[b].tolist()
             end = next((k + 1 for k, t in enumerate(toks) if t in stops), None)
             n = end or len(toks)
-            out.append((toks[:n], lps[:n], end is not None))
+            # the inputs of the trainer's forward: the prompt and every response token but the last
+            r = torch.stack([x[b, T0 - len(p):T0 + n - 1] for x in routes]) if routes else None
+            out.append((toks[:n], lps[:n], end is not None, r))
         return out

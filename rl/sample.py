@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+import torch
+
 from domains.task import Task
 
 
@@ -38,6 +40,9 @@ class Sample:
     train_logprobs: list[float] | None = None    # pi_train(theta_old), recomputed by the trainer
     teacher_logprobs: list[float] | None = None  # a teacher's log-probs of the response (distillation)
     text: str = ""                               # decoded response, for rewards and logs only
+    # routing replay: the experts each input token (prompt + response[:-1]) was routed to at
+    # rollout, [MoE layers, tokens, K] int16 (rl.rollout with record_routes)
+    routes: torch.Tensor | None = None
 
     @property
     def trainable(self) -> bool:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from model.model import GLMModel
+from model.moe import replaying_routes
 from rl.algorithms import ADVANTAGES, POLICY_LOSSES, WITHOUT_PI_OLD
 from rl.ranks import SINGLE, Ranks, engine_step, is_engine
 from rl.sample import Sample
@@ -31,7 +32,9 @@ def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
     input_ids [B,T]; attention_mask [B,T]; targets [B,T] (the next token at each position);
     response_mask [B,T] = 1 where targets[b,t] is a trained response token; response_region [B,T]
     = 1 where it is any response token (tool results inside a response included); rollout_logprobs,
-    train_logprobs, teacher_logprobs [B,T] aligned with targets (0 elsewhere); advantages [B]."""
+    train_logprobs, teacher_logprobs [B,T] aligned with targets (0 elsewhere); advantages [B];
+    routes (when every sample recorded its rollout's experts): per MoE layer [B,T,K], replayed by
+    the forward passes here (routing replay)."""
     seqs = [s.prompt_ids + s.response_ids for s in samples]
     T = max(len(x) for x in seqs) - 1
     B = len(samples)
@@ -57,10 +60,18 @@ def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
             train[b, start:start + r] = torch.tensor(s.train_logprobs)
         if s.teacher_logprobs is not None:
             teacher[b, start:start + r] = torch.tensor(s.teacher_logprobs)
-    return {"input_ids": input_ids, "attention_mask": attention, "targets": targets, "response_mask": resp,
-            "response_region": region,
-            "rollout_logprobs": rollout, "train_logprobs": train, "teacher_logprobs": teacher,
-            "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float)}
+    batch = {"input_ids": input_ids, "attention_mask": attention, "targets": targets, "response_mask": resp,
+             "response_region": region,
+             "rollout_logprobs": rollout, "train_logprobs": train, "teacher_logprobs": teacher,
+             "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float)}
+    if all(s.routes is not None for s in samples):
+        # routing replay: per MoE layer [B,T,K], the rollout's experts; -1 (route anew) on padding
+        L, _, K = samples[0].routes.shape
+        routes = torch.full((L, B, T, K), -1, dtype=torch.long)
+        for b, s in enumerate(samples):
+            routes[:, b, :s.routes.shape[1]] = s.routes.long()
+        batch["routes"] = list(routes)
+    return batch
 
 
 @dataclass(frozen=True)
@@ -112,8 +123,9 @@ def response_logprobs(logits: torch.Tensor, batch: dict[str, torch.Tensor], temp
 
 def _forward_logprobs(model: GLMModel, batch: dict[str, torch.Tensor], temperature: float,
                       want_entropy: bool = False):
-    logits = model(batch["input_ids"], attention_mask=batch["attention_mask"],
-                   logits_at=batch["response_region"] > 0).logits
+    with replaying_routes(model, batch.get("routes")):
+        logits = model(batch["input_ids"], attention_mask=batch["attention_mask"],
+                       logits_at=batch["response_region"] > 0).logits
     return response_logprobs(logits, batch, temperature, want_entropy)
 
 

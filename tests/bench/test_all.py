@@ -50,3 +50,18 @@ def test_results_table_keeps_other_rows_and_escapes_cells(tmp_path):
     text = out.read_text()
     assert "| `train` | old |" in text and r"a \| b" in text and "| `s3_upload` | old" not in text
     assert text.index("`s3_upload`") < text.index("`train`")  # registry order
+
+
+def test_rl_ranks_summary_parses():
+    a = _all()
+    mis = lambda x: {"mismatch/abs_logp": x, "mismatch/k3": x / 10, "mismatch/abs_logp_max": x * 3}  # noqa: E731
+    out = "noise\n" + json.dumps({
+        "update": {"one_rank_s": 2.0, "two_ranks_s": 1.0, "ratio": 2.0, "ratio_1_thread": 1.5, "one_rank_threads": 2,
+                   "one_rank_1_thread_s": 1.5, "samples": 16},
+        "weight_sync": [{"preset": "tiny", "params": 10, "by_ranks": {
+            "2": {"bytes": 2**20, "buckets": 2, "publish_s_slowest_rank": 0.5, "load_s": 0.25}}}],
+        "routing_replay": {"without_replay": mis(0.05), "with_replay": mis(0.03)},
+        "settings": {"preset": "tiny"}}, indent=1)
+    measured, settings = a.rl_ranks(out)
+    assert "= 2.00x" in measured and "tiny 1 MiB by 2 ranks" in measured and "0.050 -> 0.030" in measured
+    assert settings == "preset tiny"

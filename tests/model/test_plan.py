@@ -62,6 +62,13 @@ def test_memory_plan_by_hand(tiny):
     assert b["training_total"] == sum(b[k] for k in ("parameters", "gradients", "master_weights",
                                                       "optimizer_states", "activations")) + 6 * GB
     assert r["fits_training"] and r["fits_rollout"]
+    # the RL trainer: AdamW's two fp32 moments instead of Muon's one
+    assert b["rl_training_total"] == b["training_total"] - b["optimizer_states"] + 8 * (dense / 4 + local / 2)
+    # one bf16 version; 4 trainer GPUs send a quarter each, a rollout GPU receives its own weights
+    w = r["weight_sync"]
+    assert w["version_bytes"] == 2 * total and w["send_bytes_per_trainer_gpu"] == 2 * total / 4
+    assert w["receive_bytes_per_rollout_gpu"] == 2 * (dense + local)
+    assert w["seconds"] == 2 * (dense + local) / 50e9
     ckpt = memory_plan(cfg, Plan(**{**p.__dict__, "activation_checkpointing": True}))
     # checkpointing: block inputs 2 x 32, the largest block 868 live again, MTP 32 + 964
     assert ckpt["activation_values_per_token"] == 64 + 868 + 996
