@@ -47,6 +47,7 @@ from quant.qat import QATConfig, prepare_qat, ptq_int4, remove_qat, save_int4
 from rl import gates, trainer
 from rl.algorithms import PolicyLossName
 from rl.gates import EVALS, GateConfig
+from rl.ranks import SINGLE, ParallelConfig, Ranks, build_engine
 from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
 from rl.sample import Sample, Status
 from rl.trainer import GateCheck, OptimConfig
@@ -87,6 +88,8 @@ class DistillConfig(BaseModel):
     gates: GateConfig = GateConfig()
     checkpoint_every: int = Field(20, ge=1)
     keep_last: int = Field(2, ge=1)
+    parallel: ParallelConfig = Field(ParallelConfig(), description="the trainer's ranks (rl.ranks); one: in the "
+                                     "stage's process")
 
     @field_validator("teachers")
     @classmethod
@@ -153,8 +156,11 @@ def teacher_logprobs(teacher: GLMModel, samples: list[Sample], pad_id: int, chun
 def distill_step(engine: RolloutEngine, model: GLMModel, opt: torch.optim.Optimizer,
                  teachers: dict[str, GLMModel], prompts: dict[str, list[list[int]]], pad_id: int,
                  sampling: SamplingParams, params: UpdateParams, gen: torch.Generator,
-                 step: int, tasks: Optional[dict[str, list[Task]]] = None) -> dict[str, Any]:
-    """One step (module doc 2-4) on prompt token ids per teacher; returns the step's statistics."""
+                 step: int, tasks: Optional[dict[str, list[Task]]] = None, ranks: Ranks = SINGLE,
+                 sample_gen: Optional[torch.Generator] = None) -> dict[str, Any]:
+    """One step (module doc 2-4) on prompt token ids per teacher; returns the step's statistics.
+    On ranks each samples and scores with the teachers its share of the prompts (from its own
+    `sample_gen`), and all train on the gathered batch with the shared `gen` (rl.ranks)."""
     engine.sync(model, step)
     samples, owner = [], []
     for name, ps in prompts.items():
@@ -162,12 +168,14 @@ def distill_step(engine: RolloutEngine, model: GLMModel, opt: torch.optim.Optimi
             task = tasks[name][i] if tasks else Task(name, "", "")
             samples.append(Sample(task, len(samples), list(ids)))       # group size 1: a group per sample
             owner.append(name)
-    engine.generate(samples, sampling, gen)
+    lo, hi = ranks.bounds(len(samples))
+    engine.generate(samples[lo:hi], sampling, sample_gen or gen)
     for name, teacher in teachers.items():
-        idx = [i for i, o in enumerate(owner) if o == name]
+        idx = [i for i, o in enumerate(owner) if o == name and lo <= i < hi]
         for i, lp in zip(idx, teacher_logprobs(teacher, [samples[i] for i in idx], pad_id)):
             samples[i].teacher_logprobs = lp
-    rec: dict[str, Any] = update(model, opt, samples, pad_id, params, gen)
+    samples = [s for share in ranks.gather(samples[lo:hi]) for s in share]
+    rec: dict[str, Any] = update(model, opt, samples, pad_id, params, gen, ranks)
     for name in teachers:
         idx = [i for i, o in enumerate(owner) if o == name and samples[i].trainable]
         gaps = [t - s for i in idx for t, s in zip(samples[i].teacher_logprobs, samples[i].train_logprobs or [])]
@@ -194,7 +202,18 @@ def recovery(teacher: dict[str, float], before: dict[str, float], after: dict[st
 
 # ---------------------------------------------------------------- the stage
 def run_distill(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
+    if cfg.parallel.launch.world_size > 1:
+        from rl.launch import run_on_ranks
+
+        return run_on_ranks("distill", cfg, inputs, workdir, cfg.parallel.launch)
+    return train(cfg, inputs, workdir)
+
+
+def train(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir, ranks: Ranks = SINGLE) -> dict[str, Any] | None:
+    """The stage in this process, or as one of `ranks` (rl.launch; rl_reasoning.train's split:
+    shares of the prompts per rank, rank 0 measures, gates and exports)."""
     seed = workdir.seed
+    lead = ranks.rank == 0
     tokenizer = load_tokenizer(inputs["tokenize"])
     model = trainer.load_policy(inputs["rl-general"], "rl-general", tokenizer, seed)
     teachers: dict[str, GLMModel] = {}
@@ -211,14 +230,20 @@ def run_distill(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir) -
     root, log_path = workdir.checkpoint / "ckpt", workdir.checkpoint / "metrics.jsonl"
 
     found = checkpoint.select_resume(root)          # before QAT: the gates measure the model as given
-    if found is None:
+    before, teacher_evals = {}, {}
+    if found is None and lead:
         before = trainer.measure_gates(model, tokenizer, cfg.gates, seed)
         teacher_evals = {n: trainer.measure_gates(t, tokenizer, cfg.gates, seed) for n, t in teachers.items()}
     if cfg.use_qat:
         prepare_qat(model, cfg.qat)      # names unchanged: checkpoints and engine syncs stay plain copies
-    opt = trainer.build_optimizer(model, cfg.optim)
     gen = torch.Generator().manual_seed(seed)
-    policy = trainer.Policy(model, opt, gen)
+    sample_gen = gen if ranks.world == 1 else torch.Generator().manual_seed(seed * 1_000_003 + ranks.rank + 1)
+    if ranks.world == 1:
+        policy = trainer.Policy(model, trainer.build_optimizer(model, cfg.optim), gen)
+    else:
+        policy = trainer.Policy(model, build_engine(model, cfg.optim, cfg.parallel.zero_stage), gen, ranks=ranks,
+                                rank_rng=sample_gen)
+    opt = policy.optimizer
     resumed = trainer.load_latest(root, policy, log_path, "distill")
     start = 0
     if resumed is not None:
@@ -232,14 +257,19 @@ def run_distill(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir) -
         t0 = time.perf_counter()
         tasks = {n: draw(pools[n][0], cfg.prompts_per_teacher, seed, step, n) for n in cfg.teachers}
         prompts = {n: [prompt_ids(tokenizer, t, pools[n][1]) for t in ts] for n, ts in tasks.items()}
-        rec = distill_step(engine, model, opt, teachers, prompts, pad_id, sampling, params, gen, step, tasks)
+        rec = distill_step(engine, model, opt, teachers, prompts, pad_id, sampling, params, gen, step, tasks,
+                           ranks, sample_gen)
         rec.update(step=step, step_s=time.perf_counter() - t0)
+        if ranks.world > 1:
+            rec["trainer_ranks"] = ranks.world
         return rec
 
     trainer.run_steps("distill", policy, one_step, start=start, steps=cfg.steps, root=root, log_path=log_path,
                       workdir=workdir, checkpoint_every=cfg.checkpoint_every, keep_last=cfg.keep_last,
                       meta=lambda: {"before": before, "teacher_evals": teacher_evals},
                       describe=lambda r: f"reverse KL {r.get('reverse_kl', float('nan')):.3f}")
+    if not lead:
+        return None
     if cfg.use_qat:
         remove_qat(model)            # the full-precision weights QAT trained; INT4 is exported from them
     after = trainer.measure_gates(model, tokenizer, cfg.gates, seed)
@@ -247,6 +277,7 @@ def run_distill(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir) -
     records = metrics.read(log_path)
     out = workdir.out
     result = summary(cfg, records, before, after, int4_after, teacher_evals)
+    result["trainer_ranks"] = ranks.world
     gate = GateCheck(cfg.gates, before, after, "rl-general", chain_parent(inputs, teacher_evals, before))
     result["gates"] = trainer.publish("distill", out, records, model=model, tokenizer_dir=inputs["tokenize"], gate=gate,
                                       export_info=dict(after), plot=lambda rs, o: plot(rs, o / "distill.png", cfg.teachers))

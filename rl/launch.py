@@ -35,7 +35,8 @@ log = logging.getLogger("glmforge")
 PROGRESS, CHECKPOINT = "GLMFORGE_RL_PROGRESS", "GLMFORGE_RL_CHECKPOINT"
 RESULT = "result-on-ranks.json"
 # the stages that run on ranks: their train(cfg, inputs, workdir, ranks) and config type
-RANK_STAGES = {"rl-reasoning": ("posttrain.rl_reasoning:train", "posttrain.rl_reasoning:RLReasoningConfig")}
+RANK_STAGES = {"rl-reasoning": ("posttrain.rl_reasoning:train", "posttrain.rl_reasoning:RLReasoningConfig"),
+               "distill": ("posttrain.distill:train", "posttrain.distill:DistillConfig")}
 
 
 class RLRankSpec(BaseModel):

@@ -111,3 +111,33 @@ def test_a_checkpoint_of_another_rank_count_is_refused(inputs, tmp_path):  # noq
     run_rl_reasoning(_cfg(steps=1), inputs, Workdir.at(tmp_path, seed=3))            # one process, step 1
     with pytest.raises(TrainingFailed, match="written by 1 trainer rank"):
         run_rl_reasoning(_cfg2(steps=2), inputs, Workdir.at(tmp_path, seed=3))
+
+
+def test_distill_on_two_ranks_trains_and_a_sigterm_resume_is_bit_identical(tmp_path):
+    """Distillation has a learning signal even on random models (the teachers' log-probs): the
+    optimizer state on the ranks must come back whole for the resumed run to match."""
+    from posttrain.distill import DistillConfig, run_distill
+    from tests.posttrain._chain import artifacts, make_tokenizer
+
+    inputs = artifacts(tmp_path / "in", make_tokenizer(), {"sft": 0, "rl-reasoning": 1, "rl-agentic": 2,
+                                                            "rl-general": 3})
+    cfg = DistillConfig(steps=3, prompts_per_teacher=3, optim={"lr": 1e-3}, max_new_tokens=4, checkpoint_every=10,
+                        qat={"group_size": 16}, export_hf=False, parallel=RANKS,
+                        gates={"evals": {"arithmetic": 2, "gsm8k": 1, "gsm8k_max_new_tokens": 2, "tool": 1,
+                                         "tool_max_new_tokens": 2}, "tolerances": {}})
+    m = run_distill(cfg, inputs, Workdir.at(tmp_path / "clean", seed=0))
+    assert m["trainer_ranks"] == 2 and m["steps"] == 3
+    assert not _same(load_file(inputs["rl-general"] / "consolidated.safetensors"), _weights(tmp_path / "clean"))
+
+    def sigterm_at_1(done, total, desc):
+        if done == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    shutdown.reset()
+    try:
+        with pytest.raises(shutdown.Preempted, match=r"checkpoint at step [12] of 3"):
+            run_distill(cfg, inputs, Workdir.at(tmp_path / "stopped", seed=0, progress=sigterm_at_1))
+    finally:
+        shutdown.reset()
+    run_distill(cfg, inputs, Workdir.at(tmp_path / "stopped", seed=0))
+    assert _same(_weights(tmp_path / "clean"), _weights(tmp_path / "stopped"))
