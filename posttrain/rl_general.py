@@ -63,6 +63,7 @@ from rl.judges import (
     rule_reward,
     valid_tool_call,
 )
+from rl.ranks import SINGLE, ParallelConfig, Ranks, build_engine
 from rl.rewards import REWARDS
 from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
 from rl.sample import Sample, Status
@@ -117,6 +118,8 @@ class RLGeneralConfig(BaseModel):
                                    "default; tiny matrices on a shared CPU run fastest on 1)")
     checkpoint_every: int = Field(20, ge=1)
     keep_last: int = Field(2, ge=1)
+    parallel: ParallelConfig = Field(ParallelConfig(), description="the trainer's ranks (rl.ranks); one: in the "
+                                     "stage's process")
     examples: int = Field(8, ge=0)
 
     @field_validator("prompts")
@@ -266,8 +269,24 @@ def orm_accuracy(inputs: dict[str, Path]) -> Optional[float]:
 
 def run_rl_general(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workdir,
                    judges: Optional[dict[str, Judge]] = None) -> dict[str, Any]:
-    """`judges` replaces the ORM / GRM built from the inputs (tests: deterministic fakes)."""
+    """`judges` replaces the ORM / GRM built from the inputs (tests: deterministic fakes; in this
+    process only: ranks build their own)."""
+    if cfg.parallel.launch.world_size > 1:
+        from rl.launch import run_on_ranks
+
+        if judges is not None:
+            raise ValueError("rl-general on ranks builds its judges from its inputs on every rank; "
+                             "judges given in process cannot reach them")
+        return run_on_ranks("rl-general", cfg, inputs, workdir, cfg.parallel.launch)
+    return train(cfg, inputs, workdir, judges=judges)
+
+
+def train(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workdir, ranks: Ranks = SINGLE,
+          judges: Optional[dict[str, Judge]] = None) -> dict[str, Any] | None:
+    """The stage in this process, or as one of `ranks` (rl.launch; rl_reasoning.train's split:
+    each rank generates and judges its share of the groups, rank 0 measures, gates and exports)."""
     seed = workdir.seed
+    lead = ranks.rank == 0
     tokenizer = load_tokenizer(inputs["tokenize"])
     model = trainer.load_policy(inputs["rl-agentic"], "rl-agentic", tokenizer, seed, cfg.threads)
     stop_ids = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
@@ -277,44 +296,61 @@ def run_rl_general(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workd
         judges = make_judges(cfg, inputs, tokenizer, stop_ids, pad_id)
     timeouts = {"orm": cfg.orm_timeout_s, "grm": cfg.grm_timeout_s}
     services = {n: JudgeService(n, j, timeouts[n], cfg.judge_chunk) for n, j in judges.items()}
-    opt = trainer.build_optimizer(model, cfg.optim)
     gen = torch.Generator().manual_seed(seed)
+    sample_gen = gen if ranks.world == 1 else torch.Generator().manual_seed(seed * 1_000_003 + ranks.rank + 1)
+    if ranks.world == 1:
+        policy = trainer.Policy(model, trainer.build_optimizer(model, cfg.optim), gen)
+    else:
+        policy = trainer.Policy(model, build_engine(model, cfg.optim, cfg.parallel.zero_stage), gen, ranks=ranks,
+                                rank_rng=sample_gen)
+    opt = policy.optimizer
     engine = RolloutEngine(model, tokenizer, stop_ids, pad_id, int4=cfg.rollout_int4, batch_size=cfg.rollout_batch)
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
     params = UpdateParams(cfg.eps_low, cfg.eps_high, cfg.icepop_beta, cfg.minibatches, cfg.epochs,
                           cfg.temperature, cfg.std_normalize, cfg.optim.grad_clip, cfg.policy_loss)
     root, log_path = workdir.checkpoint / "ckpt", workdir.checkpoint / "metrics.jsonl"
-    policy = trainer.Policy(model, opt, gen)
     last: list[Sample] = []
 
     def one_step(step: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         engine.sync(model, step)
         tasks = draw(pools, cfg.prompts, cfg.prompts_per_step, seed, step)
-        samples = [Sample(t, g, prompt_ids(tokenizer, t, t.meta.get("tools")))
-                   for g, t in enumerate(tasks) for _ in range(cfg.group_size)]
-        engine.generate(samples, sampling, gen)
+        lo, hi = ranks.bounds(len(tasks))               # this rank's groups (all of them on one)
+        mine = [Sample(t, g, prompt_ids(tokenizer, t, t.meta.get("tools")))
+                for g, t in enumerate(tasks) if lo <= g < hi for _ in range(cfg.group_size)]
+        engine.generate(mine, sampling, sample_gen)
         t1 = time.perf_counter()
-        failures, comps, extra = hybrid_rewards(samples, tokenizer, services, cfg)
+        failures, comps, extra = hybrid_rewards(mine, tokenizer, services, cfg)
         t2 = time.perf_counter()
+        shares = ranks.gather((mine, comps, dict(failures), extra["grm_unparsed_fraction"] * len(comps)))
+        samples = [s for share in shares for s in share[0]]
+        comps = [c for share in shares for c in share[1]]
+        failures = sum((Counter(share[2]) for share in shares), Counter())
+        extra = {"grm_unparsed_fraction": sum(share[3] for share in shares) / max(len(comps), 1)}
         flat = assign_advantages(samples, cfg.std_normalize, cfg.advantage)
-        stats = update(model, opt, samples, pad_id, params, gen)
+        stats = update(model, opt, samples, pad_id, params, gen, ranks)
         t3 = time.perf_counter()
         last[:] = samples
-        return step_record(step, samples, tokenizer, comps, stats, flat, failures, extra,
-                           {"generate": t1 - t0, "reward": t2 - t1, "train": t3 - t2})
+        rec = step_record(step, samples, tokenizer, comps, stats, flat, failures, extra,
+                          {"generate": t1 - t0, "reward": t2 - t1, "train": t3 - t2})
+        if ranks.world > 1:
+            rec["trainer_ranks"] = ranks.world
+        return rec
 
     resumed = trainer.load_latest(root, policy, log_path, "rl-general")
-    if resumed is None:
-        start, before = 0, trainer.measure_gates(model, tokenizer, cfg.gates, seed)
-    else:
+    if resumed is not None:
         start, before = resumed[0], resumed[1]["before"]
+    else:
+        start, before = 0, trainer.measure_gates(model, tokenizer, cfg.gates, seed) if lead else {}
     trainer.run_steps("rl-general", policy, one_step, start=start, steps=cfg.steps, root=root, log_path=log_path,
                       workdir=workdir, checkpoint_every=cfg.checkpoint_every, keep_last=cfg.keep_last,
                       meta=lambda: {"before": before}, describe=lambda r: f"reward {r['reward']:.3f}")
+    if not lead:
+        return None
     after = trainer.measure_gates(model, tokenizer, cfg.gates, seed)
     records = metrics.read(log_path)
     result = summary(records, inputs)
+    result["trainer_ranks"] = ranks.world
     with open(workdir.out / "samples.jsonl", "w") as f:
         for s in last[: cfg.examples]:
             f.write(json.dumps({"prompt": s.task.prompt, "response": s.text, "rewards": s.rewards,

@@ -141,3 +141,24 @@ def test_distill_on_two_ranks_trains_and_a_sigterm_resume_is_bit_identical(tmp_p
         shutdown.reset()
     run_distill(cfg, inputs, Workdir.at(tmp_path / "stopped", seed=0))
     assert _same(_weights(tmp_path / "clean"), _weights(tmp_path / "stopped"))
+
+
+def test_rl_general_on_two_ranks_judges_every_share_and_trains(tmp_path):
+    from posttrain.rl_general import RLGeneralConfig, run_rl_general
+    from tests.posttrain._chain import artifacts, make_tokenizer
+
+    inputs = artifacts(tmp_path / "in", make_tokenizer(), {"sft": 0, "rl-agentic": 1})
+    cfg = RLGeneralConfig(steps=2, prompts_per_step=3, group_size=3, optim={"lr": 1e-3}, max_new_tokens=6,
+                          length_target=4, checkpoint_every=1, weights={"rule": 1.0, "orm": 0.0, "grm": 1.0},
+                          grm_max_new_tokens=2, parallel=RANKS,
+                          gates={"evals": {"arithmetic": 2, "gsm8k": 1, "gsm8k_max_new_tokens": 2, "tool": 1,
+                                           "tool_max_new_tokens": 2}, "tolerances": {}})
+    m = run_rl_general(cfg, inputs, Workdir.at(tmp_path / "w", seed=2))
+    assert m["trainer_ranks"] == 2 and m["steps"] == 2
+    assert {"rule", "length"} <= set(m["reward_per_component"])
+    assert m["grm_unparsed_fraction"] > 0          # the GRM (a random model) judged both ranks' samples
+    recs = [json.loads(x) for x in (tmp_path / "w" / "out" / "metrics.jsonl").read_text().splitlines()]
+    # every rank's groups were judged and trained: 3 prompts x 3 samples
+    assert all(r["trainer_ranks"] == 2 and r["optimizer_steps"] >= 1 for r in recs)
+    with pytest.raises(ValueError, match="builds its judges"):
+        run_rl_general(cfg, inputs, Workdir.at(tmp_path / "x", seed=2), judges={})
