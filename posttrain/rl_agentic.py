@@ -50,12 +50,13 @@ from domains.task import Task
 from glmforge.stage import OPERATIONAL, Workdir
 from model.model import GLMModel
 from quant.qat import QATConfig
-from rl import gates, reward_audit, trainer
+from rl import gates, reward_audit, trainer, weight_sync
 from rl.agent import context_for, prompt_tools, run_group
 from rl.algorithms import AdvantageName, PolicyLossName
 from rl.envs import ENVIRONMENTS, make_env, tasks_for
 from rl.gates import GateConfig
 from rl.orchestrator import WorkerPool
+from rl.ranks import SINGLE, ParallelConfig, Ranks, build_engine, is_engine
 from rl.rollout import RolloutEngine, SamplingParams
 from rl.sample import Sample
 from rl.sandbox import require_isolation
@@ -115,6 +116,8 @@ class RLAgenticConfig(BaseModel):
     gates: GateConfig = GateConfig()
     threads: Optional[int] = Field(None, ge=1, description="torch threads of the trainer process (None: torch's "
                                    "default; tiny matrices on a shared CPU run fastest on 1)")
+    parallel: ParallelConfig = Field(ParallelConfig(), description="the trainer's ranks (rl.ranks); one: in the "
+                                     "stage's process; the rollout side stays with rank 0")
     sandbox_allow_weak_isolation: StrictBool = Field(False, json_schema_extra=OPERATIONAL, description=(
         "where bwrap is missing, run the sandboxed environments' model-written code anyway, with only limits, a "
         "private uid and an empty environment (rl.sandbox); false: the stage refuses to start"))
@@ -183,7 +186,7 @@ def episodes(engine, tokenizer, cfg: RLAgenticConfig, task: Task, group: int, n:
 
 # ---------------------------------------------------------------- the trainer step
 def train_step(model: GLMModel, opt: torch.optim.Optimizer, groups: dict[int, list[Sample]], version: int,
-               cfg: RLAgenticConfig, pad_id: int, generator: torch.Generator) -> dict[str, Any]:
+               cfg: RLAgenticConfig, pad_id: int, generator: torch.Generator, ranks: Ranks = SINGLE) -> dict[str, Any]:
     """Staleness filter, then one rl.update step of the configured algorithm on what is kept."""
     f = filter_groups(groups, version, cfg.tau)
     stats: dict[str, Any] = {"kept": len(f.kept), "dropped": dict(f.dropped), "lag": dict(f.lags),
@@ -193,15 +196,18 @@ def train_step(model: GLMModel, opt: torch.optim.Optimizer, groups: dict[int, li
     stats["zero_variance_groups"] = assign_advantages(f.kept, False, cfg.advantage)
     params = UpdateParams(cfg.eps_low, cfg.eps_high, cfg.icepop_beta, 1, 1, cfg.temperature, False,
                           cfg.optim.grad_clip, cfg.policy_loss)
-    return {**stats, **update(model, opt, f.kept, pad_id, params, generator)}
+    return {**stats, **update(model, opt, f.kept, pad_id, params, generator, ranks)}
 
 
 def _mean(xs: list[int]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def reset_optimizer(opt: torch.optim.Optimizer) -> None:
-    """GLM-5 resets the optimizer state after each weight sync."""
+def reset_optimizer(opt) -> None:
+    """GLM-5 resets the optimizer state after each weight sync. `opt`: a torch optimizer or a
+    DeepSpeed engine (whose torch optimizer is inside its ZeRO wrapper at ZeRO 1/2)."""
+    if is_engine(opt):
+        opt = getattr(opt.optimizer, "optimizer", opt.optimizer)
     opt.state.clear()
 
 
@@ -234,41 +240,77 @@ def evaluate(engine: RolloutEngine, tokenizer, cfg: RLAgenticConfig, tasks: list
 # ---------------------------------------------------------------- the stage
 def run_rl_agentic(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
     require_sandbox(cfg)
+    if cfg.parallel.launch.world_size > 1:
+        from rl.launch import run_on_ranks
+
+        return run_on_ranks("rl-agentic", cfg, inputs, workdir, cfg.parallel.launch)
+    return train(cfg, inputs, workdir)
+
+
+def train(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workdir, ranks: Ranks = SINGLE) -> dict[str, Any] | None:
+    """The stage in this process, or as one of `ranks` (rl.launch): rank 0 owns the rollout side
+    (the worker pool, the sample buffer, admission, the evaluations) and hands each step's groups to
+    every rank; all train on them (rl.ranks), and at a sync every rank publishes its share of the
+    new version (rl.weight_sync) before rank 0 announces it to the workers."""
     seed = workdir.seed
+    lead = ranks.rank == 0
     tokenizer = load_tokenizer(inputs["tokenize"])
     model = trainer.load_policy(inputs["rl-reasoning"], "rl-reasoning", tokenizer, seed, cfg.threads)
     pad_id = tokenizer.token_to_id("<|pad|>")
     stop_ids = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
     prompts = Prompts(cfg, seed)
     heldout = [t for e in prompts.weights for t in tasks_for(e, "heldout", cfg.heldout, seed)]
-    opt = trainer.build_optimizer(model, cfg.optim)
     gen = torch.Generator().manual_seed(seed)
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
     engine = RolloutEngine(model, tokenizer, stop_ids, pad_id, int4=cfg.rollout_int4, batch_size=cfg.rollout_batch)
     ckpt_root, log_path = workdir.checkpoint / "ckpt", workdir.checkpoint / "metrics.jsonl"
+    weights_dir = workdir.checkpoint / "weights"
     B = cfg.prompts_per_step * cfg.group_size
 
     buffer: dict[int, list[Sample]] = {}
-    policy = trainer.Policy(model, opt, gen, texts=lambda: buffer_text(buffer))
-    resumed = trainer.load_latest(ckpt_root, policy, log_path, "rl-agentic")
-    if resumed is None:
-        engine.sync(model, 0)
-        state = {"step": 0, "version": 0, "next_group": 0, "submitted": 0, "inflight": [],
-                 "before": evaluate(engine, tokenizer, cfg, heldout, seed),
-                 "gates_before": trainer.measure_gates(model, tokenizer, cfg.gates, seed)}
+    if ranks.world == 1:
+        opt = trainer.build_optimizer(model, cfg.optim)
+        policy = trainer.Policy(model, opt, gen, texts=lambda: buffer_text(buffer))
     else:
-        state, buffer = resumed[1], read_buffer(resumed[2])
-        log.info("rl-agentic: %d groups buffered, %d re-submitted", len(buffer), len(state["inflight"]))
+        opt = build_engine(model, cfg.optim, cfg.parallel.zero_stage)
+        policy = trainer.Policy(model, opt, gen, texts=lambda: buffer_text(buffer), ranks=ranks)
+    resumed = trainer.load_latest(ckpt_root, policy, log_path, "rl-agentic")
+    if resumed is not None:
+        state = resumed[1]
+        if lead:
+            buffer = read_buffer(resumed[2])
+            log.info("rl-agentic: %d groups buffered, %d re-submitted", len(buffer), len(state["inflight"]))
+    else:
+        state = {"step": 0, "version": 0, "next_group": 0, "submitted": 0, "inflight": []}
+        if lead:
+            engine.sync(model, 0)
+            state.update(before=evaluate(engine, tokenizer, cfg, heldout, seed),
+                         gates_before=trainer.measure_gates(model, tokenizer, cfg.gates, seed))
 
     pool = None
-    if not cfg.synchronous:
-        pool = WorkerPool(cfg.workers, worker_config(cfg, inputs, seed), workdir.checkpoint / "weights",
+    if not cfg.synchronous and lead:
+        pool = WorkerPool(cfg.workers, worker_config(cfg, inputs, seed), weights_dir,
                           heartbeat_s=cfg.heartbeat_s, dead_after_s=cfg.dead_after_s)
         pool.start()
 
-    def one_step(step: int) -> dict[str, Any]:
+    def publish_version() -> dict[str, Any]:
+        """The current version to the workers: from this process, or every rank its share."""
+        if ranks.world == 1:
+            sent = pool.publish(model, state["version"])
+        else:
+            sent = weight_sync.publish(weights_dir, state["version"], weight_sync.rank_part(model, ranks.rank, ranks.world),
+                                       rank=ranks.rank, world=ranks.world, config_json=model.config.model_dump_json())
+            ranks.barrier()
+            if pool is not None:
+                pool.announce(state["version"])
+            moved = ranks.sum([float(sent.bytes), float(sent.buckets), sent.seconds])
+            sent = weight_sync.Published(sent.version, int(moved[0]), int(moved[1]), moved[2] / ranks.world)
+        return {"weight_sync/bytes": sent.bytes, "weight_sync/buckets": sent.buckets,
+                "weight_sync/seconds": sent.seconds}
+
+    def fill() -> float:
         """Fill the buffer to B samples (the synchronous reference generates them here; otherwise
-        admit new groups to the workers and poll), then train on the oldest groups."""
+        admit new groups to the workers and poll); the seconds the trainer waited."""
         t0 = time.perf_counter()
         while True:
             if pool is None:
@@ -286,22 +328,27 @@ def run_rl_agentic(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workd
                 for g, samples in pool.poll(timeout=1.0):
                     buffer[g] = samples
             if sum(map(len, buffer.values())) >= B:
-                break
-        idle = time.perf_counter() - t0                     # the trainer waited for samples this long
-        take: dict[int, list[Sample]] = {}
-        for g in sorted(buffer):                            # oldest groups first
-            if sum(map(len, take.values())) >= B:
-                break
-            take[g] = buffer.pop(g)
-        rec = train_step(model, opt, take, state["version"], cfg, pad_id, gen)
+                return time.perf_counter() - t0
+
+    def one_step(step: int) -> dict[str, Any]:
+        """Rank 0 fills the buffer and takes the oldest groups; every rank trains on them."""
+        t0 = time.perf_counter()
+        idle, take = 0.0, {}
+        if lead:
+            idle = fill()
+            for g in sorted(buffer):                        # oldest groups first
+                if sum(map(len, take.values())) >= B:
+                    break
+                take[g] = buffer.pop(g)
+        take = ranks.broadcast(take)
+        state.update(ranks.broadcast({k: v for k, v in state.items() if k in ("next_group", "submitted")}))
+        rec = train_step(model, opt, take, state["version"], cfg, pad_id, gen, ranks)
         state["step"] = step
         if step % cfg.sync_every == 0:
             state["version"] += 1
             reset_optimizer(opt)
-            if pool is not None:
-                sent = pool.publish(model, state["version"])
-                rec.update({"weight_sync/bytes": sent.bytes, "weight_sync/buckets": sent.buckets,
-                            "weight_sync/seconds": sent.seconds})
+            if not cfg.synchronous:
+                rec.update(publish_version())
         trained = [s for ss in take.values() for s in ss]
         rewards = [s.reward for s in trained]
         # a tool result in the response (loss-masked observation tokens) means the episode called a tool
@@ -309,7 +356,10 @@ def run_rl_agentic(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workd
                    tool_call_rate=sum(0 in s.loss_mask for s in trained) / len(trained), wait_s=idle,
                    step_s=time.perf_counter() - t0, worker_restarts=pool.restarts if pool else 0,
                    rerouted=pool.rerouted if pool else 0, **reward_audit.step_metrics(trained))
-        reward_audit.warn("rl-agentic", rec, cfg.recheck_alert)
+        if ranks.world > 1:
+            rec["trainer_ranks"] = ranks.world
+        if lead:
+            reward_audit.warn("rl-agentic", rec, cfg.recheck_alert)
         return rec
 
     def meta() -> dict[str, Any]:
@@ -317,20 +367,24 @@ def run_rl_agentic(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workd
         return state
 
     try:
-        if pool is not None:
-            pool.publish(model, state["version"])
-            for g in state["inflight"]:                     # in flight at the checkpoint: generate again
-                pool.submit(g, prompts.task(g), cfg.group_size)
+        if not cfg.synchronous:
+            publish_version()
+            if pool is not None:
+                for g in state["inflight"]:                 # in flight at the checkpoint: generate again
+                    pool.submit(g, prompts.task(g), cfg.group_size)
         trainer.run_steps("rl-agentic", policy, one_step, start=state["step"], steps=cfg.steps, root=ckpt_root,
                           log_path=log_path, workdir=workdir, checkpoint_every=cfg.checkpoint_every,
                           keep_last=cfg.keep_last, meta=meta, describe=lambda r: f"reward {r['reward']:.3f}")
     finally:
         if pool is not None:
             pool.close()
+    if not lead:
+        return None
     engine.sync(model, state["version"])
     after = evaluate(engine, tokenizer, cfg, heldout, seed)
     records = metrics.read(log_path)
     result = summary(records, state["before"], after)
+    result["trainer_ranks"] = ranks.world
     result["reward_recheck"] = reward_audit.summary(records, cfg.recheck_alert)
     gate = GateCheck(cfg.gates, state["gates_before"], trainer.measure_gates(model, tokenizer, cfg.gates, seed),
                      "rl-reasoning", gates.read_chain(inputs.get("rl-reasoning")))

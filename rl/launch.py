@@ -36,6 +36,7 @@ PROGRESS, CHECKPOINT = "GLMFORGE_RL_PROGRESS", "GLMFORGE_RL_CHECKPOINT"
 RESULT = "result-on-ranks.json"
 # the stages that run on ranks: their train(cfg, inputs, workdir, ranks) and config type
 RANK_STAGES = {"rl-reasoning": ("posttrain.rl_reasoning:train", "posttrain.rl_reasoning:RLReasoningConfig"),
+               "rl-agentic": ("posttrain.rl_agentic:train", "posttrain.rl_agentic:RLAgenticConfig"),
                "rl-general": ("posttrain.rl_general:train", "posttrain.rl_general:RLGeneralConfig"),
                "distill": ("posttrain.distill:train", "posttrain.distill:DistillConfig")}
 

@@ -163,15 +163,21 @@ class WorkerPool:
 
     # ------------------------------------------------------------ weights and requests
     def publish(self, model: GLMModel, version: int) -> weight_sync.Published:
-        """Version `version` of the policy in buckets (rl.weight_sync), then ("weights", v, dir) to
-        every worker; the newest two complete versions are kept."""
+        """Version `version` of the policy in buckets (rl.weight_sync), then announce it."""
         done = weight_sync.publish(self.weights_dir, version, model.state_dict(),
                                    config_json=model.config.model_dump_json(), bucket_bytes=self.bucket_bytes)
+        self.announce(version)
+        return done
+
+    def announce(self, version: int) -> None:
+        """("weights", v, dir) to every worker, for a version already complete in weights_dir (the
+        trainer's ranks each published their part); the newest two complete versions are kept."""
+        if not weight_sync.complete(self.weights_dir, version):
+            raise weight_sync.IncompleteVersion(f"policy version {version} is not complete in {self.weights_dir}")
         self._weights = (version, str(self.weights_dir))
         for w in list(self.workers.values()):
             self._send(w, ("weights", version, str(self.weights_dir)))
         weight_sync.prune(self.weights_dir)
-        return done
 
     def submit(self, group: int, task: Task, n: int) -> str:
         w = self.workers[self.ring.owner(str(group))]

@@ -79,6 +79,22 @@ class Ranks:
         dist.all_reduce(t)
         return t.tolist()
 
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank (picklable objects; the others pass anything)."""
+        if self.world == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order (picklable objects)."""
         if self.world == 1:

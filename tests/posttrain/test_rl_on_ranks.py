@@ -162,3 +162,24 @@ def test_rl_general_on_two_ranks_judges_every_share_and_trains(tmp_path):
     assert all(r["trainer_ranks"] == 2 and r["optimizer_steps"] >= 1 for r in recs)
     with pytest.raises(ValueError, match="builds its judges"):
         run_rl_general(cfg, inputs, Workdir.at(tmp_path / "x", seed=2), judges={})
+
+
+def test_rl_agentic_on_two_ranks_matches_one_process_through_the_workers(tmp_path):
+    """tau 0, K 1, one worker: the asynchronous stage on 2 trainer ranks reproduces the synchronous
+    one-process run. Its worker samples from the versions both ranks published, each its share of
+    the tensors (rl.weight_sync): a version loaded wrongly would change the rollouts that follow."""
+    from posttrain.rl_agentic import run_rl_agentic
+    from tests.posttrain._chain import artifacts, make_tokenizer
+    from tests.posttrain.test_rl_agentic import _cfg as agentic_cfg
+    from tests.posttrain.test_rl_agentic import _records
+
+    inputs = artifacts(tmp_path / "in", make_tokenizer(), {"rl-reasoning": 0})
+    run_rl_agentic(agentic_cfg(synchronous=True), inputs, Workdir.at(tmp_path / "sync", seed=5))
+    m = run_rl_agentic(agentic_cfg(parallel=RANKS), inputs, Workdir.at(tmp_path / "ranks", seed=5))
+    assert m["trainer_ranks"] == 2
+    a, b = _records(tmp_path / "sync"), _records(tmp_path / "ranks")
+    assert [r["groups"] for r in a] == [r["groups"] for r in b] == [[0, 1], [2, 3], [4, 5]]
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], abs=1e-4)
+    assert all(r["weight_sync/buckets"] >= 2 for r in b)             # both ranks wrote a part
+    wa, wb = _weights(tmp_path / "sync"), _weights(tmp_path / "ranks")
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
