@@ -51,6 +51,7 @@ from model.hf import load_state, save_state
 from model.model import GLMModel
 from rl import trainer
 from rl.algorithms import PREFERENCE_LOSSES, PreferenceLossName
+from rl.ranks import SINGLE, ParallelConfig, Ranks, build_engine, engine_step, is_engine
 from rl.trainer import OptimConfig
 from training import metrics
 
@@ -76,6 +77,8 @@ class RewardModelConfig(BaseModel):
     eval_batch: int = Field(32, ge=1)
     checkpoint_every: int = Field(50, ge=1)
     keep_last: int = Field(2, ge=1)
+    parallel: ParallelConfig = Field(ParallelConfig(), description="the trainer's ranks (rl.ranks); one: in the "
+                                     "stage's process")
 
 
 # ---------------------------------------------------------------- pairs
@@ -264,7 +267,20 @@ def heldout_accuracy(rm: RewardModel, chosen: list[tuple[list[int], int]], rejec
 
 # ---------------------------------------------------------------- the stage
 def run_reward_model(cfg: RewardModelConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
+    if cfg.parallel.launch.world_size > 1:
+        from rl.launch import run_on_ranks
+
+        return run_on_ranks("reward-model", cfg, inputs, workdir, cfg.parallel.launch)
+    return train(cfg, inputs, workdir)
+
+
+def train(cfg: RewardModelConfig, inputs: dict[str, Path], workdir: Workdir, ranks: Ranks = SINGLE
+          ) -> dict[str, Any] | None:
+    """The stage in this process, or as one of `ranks` (rl.launch): each rank scores its share of
+    the step's pairs, the loss scaled to the whole batch's mean (rl.ranks); rank 0 evaluates and
+    publishes."""
     seed = workdir.seed
+    lead = ranks.rank == 0
     tokenizer = load_tokenizer(inputs["tokenize"])
     backbone = trainer.load_policy(inputs["rl-reasoning"], "rl-reasoning", tokenizer, seed)
     pad_id = tokenizer.token_to_id("<|pad|>")
@@ -273,30 +289,39 @@ def run_reward_model(cfg: RewardModelConfig, inputs: dict[str, Path], workdir: W
     enc = lambda ps, side: [pair_text_ids(tokenizer, p.prompt, getattr(p, side), cfg.max_len) for p in ps]  # noqa: E731
     tr_c, tr_r = enc(train, "chosen"), enc(train, "rejected")
     he_c, he_r, kinds = enc(held, "chosen"), enc(held, "rejected"), [p.kind for p in held]
-    opt = trainer.build_optimizer(rm, cfg.optim)
+    opt = trainer.build_optimizer(rm, cfg.optim) if ranks.world == 1 else build_engine(rm, cfg.optim,
+                                                                                        cfg.parallel.zero_stage)
     root, log_path = workdir.checkpoint / "ckpt", workdir.checkpoint / "metrics.jsonl"
 
-    policy = trainer.Policy(rm, opt)
+    policy = trainer.Policy(rm, opt, ranks=ranks)
     resumed = trainer.load_latest(root, policy, log_path, "reward-model")
-    if resumed is None:
-        start, before = 0, heldout_accuracy(rm, he_c, he_r, kinds, cfg.eval_batch)
-    else:
+    if resumed is not None:
         start, before = resumed[0], resumed[1]["before"]
+    else:
+        start, before = 0, heldout_accuracy(rm, he_c, he_r, kinds, cfg.eval_batch) if lead else {}
     rm.train()
 
     def one_step(step: int) -> dict[str, Any]:
         rng = random.Random(seed * 1_000_003 + step)
-        idx = [rng.randrange(len(train)) for _ in range(cfg.batch_pairs)]
+        idx, scale = ranks.share([rng.randrange(len(train)) for _ in range(cfg.batch_pairs)])
         scores = rm([tr_c[i] for i in idx] + [tr_r[i] for i in idx])
         c, r = scores[: len(idx)], scores[len(idx):]
         loss = PREFERENCE_LOSSES[cfg.loss](c, r)
-        gnorm = trainer.clip_and_step(rm, opt, loss, cfg.optim.grad_clip)
-        return {"step": step, "loss": float(loss.detach()), "train_pair_accuracy": pairwise_accuracy(c.detach(), r.detach()),
-                "margin": float((c - r).detach().mean()), "grad_norm": gnorm}
+        if is_engine(opt):
+            gnorm = engine_step(opt, loss * scale, ranks, cfg.optim.grad_clip)
+        else:
+            gnorm = trainer.clip_and_step(rm, opt, loss, cfg.optim.grad_clip)
+        n = len(idx) * (scale > 0)
+        sums = ranks.sum([float(loss.detach()) * n, pairwise_accuracy(c.detach(), r.detach()) * n,
+                          float((c - r).detach().mean()) * n, float(n)])
+        return {"step": step, "loss": sums[0] / sums[3], "train_pair_accuracy": sums[1] / sums[3],
+                "margin": sums[2] / sums[3], "grad_norm": gnorm}
 
     trainer.run_steps("reward-model", policy, one_step, start=start, steps=cfg.steps, root=root, log_path=log_path,
                       workdir=workdir, checkpoint_every=cfg.checkpoint_every, keep_last=cfg.keep_last,
                       meta=lambda: {"before": before}, describe=lambda r: f"loss {r['loss']:.3f}")
+    if not lead:
+        return None
     after = heldout_accuracy(rm, he_c, he_r, kinds, cfg.eval_batch)
     records = metrics.read(log_path)
     out = workdir.out
@@ -309,6 +334,7 @@ def run_reward_model(cfg: RewardModelConfig, inputs: dict[str, Path], workdir: W
         "heldout_pairwise_accuracy": {"before": before["accuracy"], "after": after["accuracy"], "n": after["n"]},
         "heldout_accuracy_per_kind": after["per_kind"],
         "loss": {"first": records[0]["loss"], "last": records[-1]["loss"]} if records else None,
+        "trainer_ranks": ranks.world,
     }
     save_reward_model(rm, out, {"heldout_pairwise_accuracy": after["accuracy"], "per_kind": after["per_kind"],
                                 "n": after["n"], "max_len": cfg.max_len,

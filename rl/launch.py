@@ -37,6 +37,7 @@ RESULT = "result-on-ranks.json"
 # the stages that run on ranks: their train(cfg, inputs, workdir, ranks) and config type
 RANK_STAGES = {"rl-reasoning": ("posttrain.rl_reasoning:train", "posttrain.rl_reasoning:RLReasoningConfig"),
                "rl-agentic": ("posttrain.rl_agentic:train", "posttrain.rl_agentic:RLAgenticConfig"),
+               "reward-model": ("posttrain.reward_model:train", "posttrain.reward_model:RewardModelConfig"),
                "rl-general": ("posttrain.rl_general:train", "posttrain.rl_general:RLGeneralConfig"),
                "distill": ("posttrain.distill:train", "posttrain.distill:DistillConfig")}
 

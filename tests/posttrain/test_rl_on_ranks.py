@@ -183,3 +183,25 @@ def test_rl_agentic_on_two_ranks_matches_one_process_through_the_workers(tmp_pat
     assert all(r["weight_sync/buckets"] >= 2 for r in b)             # both ranks wrote a part
     wa, wb = _weights(tmp_path / "sync"), _weights(tmp_path / "ranks")
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
+
+
+def test_reward_model_on_two_ranks_equals_one_process(tmp_path):
+    """5 pairs a step on 2 ranks (shares of 3 and 2): the Bradley-Terry mean of the whole batch."""
+    from posttrain.reward_model import RewardModelConfig, run_reward_model
+    from tests.posttrain._chain import artifacts, make_tokenizer
+
+    inputs = artifacts(tmp_path / "in", make_tokenizer(), {"rl-reasoning": 3})
+    kw = dict(steps=3, batch_pairs=5, optim={"lr": 1e-3}, max_len=48, gsm8k_pairs=20, mbpp_pairs=10,
+              arithmetic_pairs=20, heldout_percent=25, checkpoint_every=2)
+    one = run_reward_model(RewardModelConfig(**kw), inputs, Workdir.at(tmp_path / "one", seed=1))
+    two = run_reward_model(RewardModelConfig(**kw, parallel=RANKS), inputs, Workdir.at(tmp_path / "two", seed=1))
+    assert (one["trainer_ranks"], two["trainer_ranks"]) == (1, 2)
+    a = [json.loads(x) for x in (tmp_path / "one" / "out" / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (tmp_path / "two" / "out" / "metrics.jsonl").read_text().splitlines()]
+    for key in ("loss", "train_pair_accuracy", "margin", "grad_norm"):
+        assert [r[key] for r in a] == pytest.approx([r[key] for r in b], abs=1e-4), key
+    for f in ("backbone.safetensors", "head.safetensors"):
+        wa, wb = load_file(tmp_path / "one" / "out" / f), load_file(tmp_path / "two" / "out" / f)
+        # the head's bias cancels in r_chosen - r_rejected: its gradient is rounding noise on both
+        # sides, which Adam turns into steps of up to lr; every other weight must agree
+        assert max(float((wa[k] - wb[k]).abs().max()) for k in wa if k != "head.bias") < 1e-4, f
