@@ -47,7 +47,7 @@ from quant.qat import QATConfig, prepare_qat, ptq_int4, remove_qat, save_int4
 from rl import gates, trainer
 from rl.algorithms import PolicyLossName
 from rl.gates import EVALS, GateConfig
-from rl.ranks import SINGLE, ParallelConfig, Ranks, build_engine
+from rl.ranks import SINGLE, ParallelConfig, Ranks
 from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
 from rl.sample import Sample, Status
 from rl.trainer import GateCheck, OptimConfig
@@ -237,12 +237,8 @@ def train(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir, ranks: 
     if cfg.use_qat:
         prepare_qat(model, cfg.qat)      # names unchanged: checkpoints and engine syncs stay plain copies
     gen = torch.Generator().manual_seed(seed)
-    sample_gen = gen if ranks.world == 1 else torch.Generator().manual_seed(seed * 1_000_003 + ranks.rank + 1)
-    if ranks.world == 1:
-        policy = trainer.Policy(model, trainer.build_optimizer(model, cfg.optim), gen)
-    else:
-        policy = trainer.Policy(model, build_engine(model, cfg.optim, cfg.parallel.zero_stage), gen, ranks=ranks,
-                                rank_rng=sample_gen)
+    sample_gen = trainer.sampling_rng(gen, seed, ranks)
+    policy = trainer.policy_for(model, cfg.optim, gen, ranks, cfg.parallel.zero_stage, sample_gen)
     opt = policy.optimizer
     resumed = trainer.load_latest(root, policy, log_path, "distill")
     start = 0

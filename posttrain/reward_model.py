@@ -51,7 +51,7 @@ from model.hf import load_state, save_state
 from model.model import GLMModel
 from rl import trainer
 from rl.algorithms import PREFERENCE_LOSSES, PreferenceLossName
-from rl.ranks import SINGLE, ParallelConfig, Ranks, build_engine, engine_step, is_engine
+from rl.ranks import SINGLE, ParallelConfig, Ranks, engine_step, is_engine
 from rl.trainer import OptimConfig
 from training import metrics
 
@@ -289,11 +289,9 @@ def train(cfg: RewardModelConfig, inputs: dict[str, Path], workdir: Workdir, ran
     enc = lambda ps, side: [pair_text_ids(tokenizer, p.prompt, getattr(p, side), cfg.max_len) for p in ps]  # noqa: E731
     tr_c, tr_r = enc(train, "chosen"), enc(train, "rejected")
     he_c, he_r, kinds = enc(held, "chosen"), enc(held, "rejected"), [p.kind for p in held]
-    opt = trainer.build_optimizer(rm, cfg.optim) if ranks.world == 1 else build_engine(rm, cfg.optim,
-                                                                                        cfg.parallel.zero_stage)
     root, log_path = workdir.checkpoint / "ckpt", workdir.checkpoint / "metrics.jsonl"
-
-    policy = trainer.Policy(rm, opt, ranks=ranks)
+    policy = trainer.policy_for(rm, cfg.optim, None, ranks, cfg.parallel.zero_stage)
+    opt = policy.optimizer
     resumed = trainer.load_latest(root, policy, log_path, "reward-model")
     if resumed is not None:
         start, before = resumed[0], resumed[1]["before"]

@@ -56,7 +56,7 @@ from rl.algorithms import AdvantageName, PolicyLossName
 from rl.envs import ENVIRONMENTS, make_env, tasks_for
 from rl.gates import GateConfig
 from rl.orchestrator import WorkerPool
-from rl.ranks import SINGLE, ParallelConfig, Ranks, build_engine, is_engine
+from rl.ranks import SINGLE, ParallelConfig, Ranks, is_engine
 from rl.rollout import RolloutEngine, SamplingParams
 from rl.sample import Sample
 from rl.sandbox import require_isolation
@@ -268,12 +268,9 @@ def train(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workdir, ranks
     B = cfg.prompts_per_step * cfg.group_size
 
     buffer: dict[int, list[Sample]] = {}
-    if ranks.world == 1:
-        opt = trainer.build_optimizer(model, cfg.optim)
-        policy = trainer.Policy(model, opt, gen, texts=lambda: buffer_text(buffer))
-    else:
-        opt = build_engine(model, cfg.optim, cfg.parallel.zero_stage)
-        policy = trainer.Policy(model, opt, gen, texts=lambda: buffer_text(buffer), ranks=ranks)
+    policy = trainer.policy_for(model, cfg.optim, gen, ranks, cfg.parallel.zero_stage,
+                                texts=lambda: buffer_text(buffer))
+    opt = policy.optimizer
     resumed = trainer.load_latest(ckpt_root, policy, log_path, "rl-agentic")
     if resumed is not None:
         state = resumed[1]

@@ -63,7 +63,7 @@ from rl.judges import (
     rule_reward,
     valid_tool_call,
 )
-from rl.ranks import SINGLE, ParallelConfig, Ranks, build_engine
+from rl.ranks import SINGLE, ParallelConfig, Ranks
 from rl.rewards import REWARDS
 from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
 from rl.sample import Sample, Status
@@ -297,12 +297,8 @@ def train(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workdir, ranks
     timeouts = {"orm": cfg.orm_timeout_s, "grm": cfg.grm_timeout_s}
     services = {n: JudgeService(n, j, timeouts[n], cfg.judge_chunk) for n, j in judges.items()}
     gen = torch.Generator().manual_seed(seed)
-    sample_gen = gen if ranks.world == 1 else torch.Generator().manual_seed(seed * 1_000_003 + ranks.rank + 1)
-    if ranks.world == 1:
-        policy = trainer.Policy(model, trainer.build_optimizer(model, cfg.optim), gen)
-    else:
-        policy = trainer.Policy(model, build_engine(model, cfg.optim, cfg.parallel.zero_stage), gen, ranks=ranks,
-                                rank_rng=sample_gen)
+    sample_gen = trainer.sampling_rng(gen, seed, ranks)
+    policy = trainer.policy_for(model, cfg.optim, gen, ranks, cfg.parallel.zero_stage, sample_gen)
     opt = policy.optimizer
     engine = RolloutEngine(model, tokenizer, stop_ids, pad_id, int4=cfg.rollout_int4, batch_size=cfg.rollout_batch)
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)

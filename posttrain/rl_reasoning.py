@@ -46,7 +46,7 @@ from quant.qat import QATConfig
 from rl import gates, reward_audit, trainer
 from rl.algorithms import AdvantageName, PolicyLossName
 from rl.gates import GateConfig
-from rl.ranks import SINGLE, ParallelConfig, Ranks, build_engine
+from rl.ranks import SINGLE, ParallelConfig, Ranks
 from rl.rewards import RewardWorker
 from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
 from rl.sample import Sample, Status
@@ -221,14 +221,9 @@ def train(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir,
     heldout = arithmetic.tasks(cfg.heldout, "heldout", seed)
     gsm8k = gsm8k_tasks(cfg.gsm8k_test_path, 0)[: cfg.gsm8k_test] if cfg.gsm8k_test else []
 
-    # one process: one generator for sampling and the minibatch order (as it always was); on
-    # ranks the order's generator is shared and each rank samples from its own
     gen = torch.Generator().manual_seed(seed)
-    sample_gen = gen if ranks.world == 1 else torch.Generator().manual_seed(seed * 1_000_003 + ranks.rank + 1)
-    if ranks.world == 1:
-        policy = trainer.Policy(model, trainer.build_optimizer(model, cfg.optim), gen)
-    else:
-        policy = trainer.Policy(model, build_engine(model, cfg.optim, cfg.parallel.zero_stage), gen, ranks=ranks, rank_rng=sample_gen)
+    sample_gen = trainer.sampling_rng(gen, seed, ranks)
+    policy = trainer.policy_for(model, cfg.optim, gen, ranks, cfg.parallel.zero_stage, sample_gen)
     engine = RolloutEngine(model, tokenizer, stop_ids, pad_id, int4=cfg.rollout_int4, batch_size=cfg.rollout_batch,
                            record_routes=cfg.routing_replay)
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)

@@ -42,7 +42,7 @@ from model.hf import artifact_weights, load_state
 from model.model import GLMModel, indexer_parameters
 from rl import gates
 from rl.gates import GateConfig
-from rl.ranks import SINGLE, Ranks, is_engine
+from rl.ranks import SINGLE, Ranks, build_engine, is_engine
 from training import checkpoint, metrics
 from training.loop import export
 
@@ -145,6 +145,23 @@ class Policy:
     texts: Callable[[], dict[str, str]] = field(default=lambda: {})
     ranks: Ranks = SINGLE
     rank_rng: torch.Generator | None = None
+
+
+def sampling_rng(gen: torch.Generator, seed: int, ranks: Ranks) -> torch.Generator:
+    """The generator rollouts sample from: in one process the stage's one generator, which also
+    orders the minibatches (as it always has); on ranks each rank's own, `gen` (the same on every
+    rank) ordering the minibatches."""
+    return gen if ranks.world == 1 else torch.Generator().manual_seed(seed * 1_000_003 + ranks.rank + 1)
+
+
+def policy_for(model: torch.nn.Module, optim: OptimConfig, rng: torch.Generator | None, ranks: Ranks = SINGLE,
+               zero_stage: int = 0, rank_rng: torch.Generator | None = None,
+               texts: Callable[[], dict[str, str]] = lambda: {}) -> "Policy":
+    """The trained module with its optimizer: a torch AdamW in one process, a DeepSpeed engine at
+    `zero_stage` on ranks (rl.ranks.build_engine)."""
+    if ranks.world == 1:
+        return Policy(model, build_optimizer(model, optim), rng, texts)
+    return Policy(model, build_engine(model, optim, zero_stage), rng, texts, ranks=ranks, rank_rng=rank_rng)
 
 
 def save(root: Path, step: int, policy: Policy, meta: dict[str, Any], keep_last: int) -> None:

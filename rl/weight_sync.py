@@ -24,7 +24,6 @@ distributed endpoints) instead of written and read.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -35,6 +34,8 @@ from typing import Mapping
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from glmforge.store.manifest import sha256_file
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 KEEP_VERSIONS = 2
@@ -80,14 +81,6 @@ def assign(sizes: Mapping[str, int], world: int) -> dict[str, int]:
     return out
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def publish(root: Path, version: int, tensors: Mapping[str, torch.Tensor], *, rank: int = 0, world: int = 1,
             config_json: str = "", shards: Mapping[str, Shard] | None = None,
             bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Published:
@@ -108,7 +101,7 @@ def publish(root: Path, version: int, tensors: Mapping[str, torch.Tensor], *, ra
         tmp = path.with_name(path.name + ".tmp")
         save_file(current, str(tmp))
         os.replace(tmp, path)
-        buckets.append({"file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path),
+        buckets.append({"file": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path),
                         "tensors": sorted(current)})
         current, size = {}, 0
 
@@ -154,7 +147,7 @@ def load_version(root: Path, version: int) -> tuple[str, dict[str, torch.Tensor]
             raise CorruptBucket(f"{d}/rank{m['rank']:05d}.json says version {m['version']}, expected {version}")
         for b in m["buckets"]:
             path = d / b["file"]
-            if not path.is_file() or _sha256(path) != b["sha256"]:
+            if not path.is_file() or sha256_file(path) != b["sha256"]:
                 raise CorruptBucket(f"{path}: missing, or its sha256 differs from rank {m['rank']}'s manifest")
             tensors = load_file(str(path))
             if sorted(tensors) != b["tensors"]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -32,6 +31,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from glmforge.store.manifest import sha256_file
 from training import metrics
 
 log = logging.getLogger("glmforge")
@@ -48,14 +48,6 @@ def step_of(tag: str) -> int:
     m = _TAG.match(tag)
     assert m, f"not a checkpoint tag: {tag}"
     return int(m.group(1))
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -149,7 +141,7 @@ def finalize(root: Path, tag: str, meta: dict[str, Any], keep_last: int) -> None
     d = Path(root) / tag
     with saving(root, tag):
         _atomic_write(d / META, json.dumps(meta, indent=1))
-        files = {p.relative_to(d).as_posix(): _sha256(p) for p in sorted(d.rglob("*"))
+        files = {p.relative_to(d).as_posix(): sha256_file(p) for p in sorted(d.rglob("*"))
                  if p.is_file() and p.name != MARKER}
         _atomic_write(d / MARKER, json.dumps({"step": meta["step"], "files": files}, indent=1))
         _atomic_write(Path(root) / LATEST, tag)
@@ -171,7 +163,7 @@ def verify(root: Path, tag: str) -> str | None:
     if set(listed) != on_disk:
         return f"files differ from the marker (missing {sorted(set(listed) - on_disk)}, extra {sorted(on_disk - set(listed))})"
     for rel, digest in listed.items():
-        if _sha256(d / rel) != digest:
+        if sha256_file(d / rel) != digest:
             return f"digest mismatch in {rel}"
     return None
 
