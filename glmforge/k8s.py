@@ -96,14 +96,19 @@ class NodeGroup:
 
 
 def node_groups(cfg) -> list[NodeGroup]:
-    """The single-pod group, then one group per distinct `launch:` of the training stages."""
+    """The single-pod group, then one group per distinct `launch:` of the training stages (and
+    `parallel.launch:` of the RL stages that train on more than one rank)."""
     from glmforge.pipeline import STAGES
     from training.config import LaunchConfig
 
     single: list[str] = []
     training: dict[str, tuple[Any, list[str]]] = {}
     for spec in STAGES:
-        launch = getattr(getattr(cfg, spec.section, None), "launch", None)
+        section = getattr(cfg, spec.section, None)
+        launch = getattr(section, "launch", None)
+        parallel = getattr(getattr(section, "parallel", None), "launch", None)
+        if isinstance(parallel, LaunchConfig) and parallel.world_size > 1:
+            launch = parallel           # an RL stage whose trainer runs on ranks (rl.launch)
         if not isinstance(launch, LaunchConfig):
             single.append(spec.name)
             continue

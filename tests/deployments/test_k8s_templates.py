@@ -44,9 +44,11 @@ def test_glm5_groups_follow_the_launch_config(rendered):
     cfg = load_config("glm5", None, None)
     files = rendered["glm5"]
     groups = files["node-groups.json"]["groups"]
-    assert groups["train-128x8"]["stages"] == ["pretrain", "context-1", "context-2", "context-3", "dsa-adapt", "sft"]
+    # the RL stages join through their parallel.launch (their trainers run on the same 128 x 8)
+    assert groups["train-128x8"]["stages"] == ["pretrain", "context-1", "context-2", "context-3", "dsa-adapt", "sft",
+                                               "rl-reasoning", "rl-agentic", "reward-model", "rl-general", "distill"]
     assert groups["train-16x8"]["stages"] == ["dsa-warmup"]
-    assert "rl-agentic" in groups["single"]["stages"] and "ingest" in groups["single"]["stages"]
+    assert "rl-agentic" not in groups["single"]["stages"] and "ingest" in groups["single"]["stages"]
     t = files["train-128x8/base-job-template.json"]
     job = k8s.job_from_template(t, name="run")
     spec, pod = job["spec"], job["spec"]["template"]["spec"]
