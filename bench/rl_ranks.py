@@ -40,13 +40,14 @@ from domains import arithmetic  # noqa: E402
 from model.config import preset  # noqa: E402
 from model.hf import load_state  # noqa: E402
 from model.model import GLMModel  # noqa: E402
+from model.moe import recording_routes  # noqa: E402
 from quant.qat import QATConfig  # noqa: E402
 from rl import weight_sync  # noqa: E402
 from rl.ranks import Ranks, build_engine  # noqa: E402
 from rl.rollout import RolloutEngine, SamplingParams, prompt_ids  # noqa: E402
 from rl.sample import Sample  # noqa: E402
 from rl.trainer import OptimConfig, build_optimizer  # noqa: E402
-from rl.update import UpdateParams, mismatch, recompute_old_logprobs, update  # noqa: E402
+from rl.update import UpdateParams, collate, mismatch, recompute_old_logprobs, update  # noqa: E402
 
 OPTIM = OptimConfig(lr=1e-4)
 PARAMS = UpdateParams(minibatches=2)
@@ -157,6 +158,15 @@ def bench_replay(args, tok) -> dict:
                 s.routes = None
         recompute_old_logprobs(model, ss, tok.token_to_id("<|pad|>"), 1.0)
         out["with_replay" if replay else "without_replay"] = mismatch(ss)
+    # how often the trainer's own routing differs from the rollout's: the share of (token, MoE layer)
+    # whose top-k expert set changes between the INT4 copy and the full-precision weights
+    batch = collate(samples, tok.token_to_id("<|pad|>"))
+    with torch.no_grad(), recording_routes(model) as logs:
+        model(batch["input_ids"], attention_mask=batch["attention_mask"])
+    real = batch["attention_mask"].bool()
+    changed = [float((got[0].long().sort(-1).values != want.sort(-1).values).any(-1)[real].float().mean())
+               for got, want in zip(logs, batch["routes"])]
+    out["routes_changed_share"] = sum(changed) / max(len(changed), 1)
     return out
 
 
@@ -166,30 +176,41 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--weights", default=None, help="a consolidated.safetensors to use instead of random weights")
+    ap.add_argument("--tokenizer", default=None, help="a tokenizer.json to use with --weights (the run's own)")
     ap.add_argument("--sync-presets", nargs="+", default=["tiny", "small"])
+    ap.add_argument("--parts", nargs="+", default=["update", "sync", "replay"], choices=["update", "sync", "replay"])
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    tok = tokenizer()
+    if args.tokenizer:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(args.tokenizer)
+    else:
+        tok = tokenizer()
     args.vocab = tok.get_vocab_size() if not args.weights else load_state(args.weights).config.vocab_size
-    model = model_for(args.preset, args.vocab, args.weights)
-    samples = rollouts(model, tok, args.samples)
-    result = {"update": bench_update(args, samples),
-              "weight_sync": [bench_sync(p, args.vocab) for p in args.sync_presets],
-              "routing_replay": bench_replay(args, tok),
-              "settings": {"preset": args.preset, "samples": args.samples, "repeats": args.repeats,
+    result = {"settings": {"preset": args.preset, "samples": args.samples, "repeats": args.repeats,
                            "weights": args.weights or "random", "cpus": os.cpu_count()}}
-    u = result["update"]
-    print(f"update of {u['samples']} samples: 1 rank {u['one_rank_s']:.2f} s ({u['one_rank_threads']} threads), "
-          f"{u['one_rank_1_thread_s']:.2f} s (1 thread); 2 ranks (1 thread each) {u['two_ranks_s']:.2f} s "
-          f"= {u['ratio']:.2f}x / {u['ratio_1_thread']:.2f}x")
-    for w in result["weight_sync"]:
+    if "update" in args.parts:
+        samples = rollouts(model_for(args.preset, args.vocab, args.weights), tok, args.samples)
+        result["update"] = u = bench_update(args, samples)
+        print(f"update of {u['samples']} samples: 1 rank {u['one_rank_s']:.2f} s ({u['one_rank_threads']} threads), "
+              f"{u['one_rank_1_thread_s']:.2f} s (1 thread); 2 ranks (1 thread each) {u['two_ranks_s']:.2f} s "
+              f"= {u['ratio']:.2f}x / {u['ratio_1_thread']:.2f}x")
+    if "sync" in args.parts:
+        result["weight_sync"] = [bench_sync(p, args.vocab) for p in args.sync_presets]
+    if "replay" in args.parts:
+        result["routing_replay"] = bench_replay(args, tok)
+    for w in result.get("weight_sync", []):
         for world, r in w["by_ranks"].items():
             print(f"weight sync {w['preset']} ({w['params']:,} params) by {world} rank(s): {r['bytes'] / 2**20:.1f} MiB "
                   f"in {r['buckets']} bucket(s), publish {r['publish_s_slowest_rank']:.3f} s (slowest rank), "
                   f"load + verify {r['load_s']:.3f} s")
-    rr = result["routing_replay"]
-    for k, v in rr.items():
-        print(f"INT4 rollouts {k}: mean |d log p| {v['mismatch/abs_logp']:.4f}, K3 {v['mismatch/k3']:.5f}")
+    rr = result.get("routing_replay", {})
+    for k in ("without_replay", "with_replay"):
+        if k in rr:
+            print(f"INT4 rollouts {k}: mean |d log p| {rr[k]['mismatch/abs_logp']:.4f}, K3 {rr[k]['mismatch/k3']:.5f}")
+    if rr:
+        print(f"routing changed by INT4 on {rr['routes_changed_share']:.1%} of (token, MoE layer)")
     if args.json:
         print(json.dumps(result, indent=1))
 
