@@ -53,6 +53,7 @@ class RLRankSpec(BaseModel):
     out: Path
     checkpoint: Path
     seed: int | None
+    backend: str = "auto"           # the launch's: auto (nccl on CUDA, gloo on CPU), gloo or nccl
     preempt_grace_s: float = Field(60.0, gt=0)
 
     def write(self, path: Path) -> None:
@@ -70,7 +71,8 @@ def run_on_ranks(stage: str, cfg: BaseModel, inputs: dict[str, Path], workdir: W
     result = workdir.checkpoint / RESULT
     result.unlink(missing_ok=True)
     spec = RLRankSpec(stage=stage, config=cfg.model_dump(mode="json"), inputs=inputs, out=workdir.out,
-                      checkpoint=workdir.checkpoint, seed=workdir.seed, preempt_grace_s=preempt_grace_s)
+                      checkpoint=workdir.checkpoint, seed=workdir.seed, backend=launch.backend,
+                      preempt_grace_s=preempt_grace_s)
 
     def on_line(line: str) -> None:
         if line.startswith(PROGRESS + " "):
@@ -110,16 +112,24 @@ def main(argv: list[str]) -> None:
     cuda = torch.cuda.is_available()
     if not cuda:
         skip_shm_comm_op()
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    deepspeed.init_distributed(dist_backend=spec.backend if spec.backend != "auto" else ("nccl" if cuda else "gloo"))
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     ranks = Ranks.current()
     lead = ranks.rank == 0
     train_ref, config_ref = RANK_STAGES[spec.stage]
     cfg = resolve(config_ref).model_validate(spec.config)
-    workdir = Workdir(out=spec.out, checkpoint=spec.checkpoint, seed=spec.seed,
-                      progress=lambda k, n, msg: lead and _say(PROGRESS, {"step": k, "total": n, "message": msg}),
-                      persist_checkpoint=lambda: lead and _say(CHECKPOINT, {}))
+
+    def progress(k: int, n: int, message: str) -> None:
+        if lead:
+            _say(PROGRESS, {"step": k, "total": n, "message": message})
+
+    def persist_checkpoint() -> None:
+        if lead:                   # the stage's process mirrors the checkpoint to the store
+            _say(CHECKPOINT, {})
+
+    workdir = Workdir(out=spec.out, checkpoint=spec.checkpoint, seed=spec.seed, progress=progress,
+                      persist_checkpoint=persist_checkpoint)
     shutdown.install()
     try:
         result = resolve(train_ref)(cfg, spec.inputs, workdir, ranks)
