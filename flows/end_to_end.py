@@ -8,10 +8,35 @@ from prefect import flow
 from glmforge.config import check_preemptions, load_config, pipeline_model
 from glmforge.pipeline import STAGES, get_stage, stages_until
 from glmforge.runner import Runner, RunRecord, execute
+from glmforge import shutdown
 from glmforge.shutdown import Preempted
 from tasks.report import publish_run_report
 from tasks.stage_task import run_in_prefect
 from tasks.store import configured_store
+
+
+def _remember_prefects_sigterm() -> None:
+    """Prefect's flow engine swaps in its own SIGTERM handler, which raises TerminationSignal in
+    whatever frame is running; raised inside a weakref callback or a __del__, Python prints and
+    drops it, and the run would carry on as if never asked to stop. Its handler, wrapped, first
+    tells glmforge.shutdown (note), so the runner stops before the next stage and the command
+    exits 128+signal. Prefect looks its handler up by this module attribute, so the wrapper is the
+    handler it installs and recognises."""
+    from prefect.exceptions import TerminationSignal
+    from prefect.utilities import engine
+
+    if getattr(engine._prefect_sigterm_handler, "glmforge", False):
+        return
+
+    def handler(sig_num: int, *args: object):
+        shutdown.note(sig_num)
+        raise TerminationSignal(signal=sig_num)
+
+    handler.glmforge = True
+    engine._prefect_sigterm_handler = handler
+
+
+_remember_prefects_sigterm()
 
 
 def _source(preset, config_file, overrides, until=None) -> dict[str, Any]:

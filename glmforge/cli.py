@@ -102,6 +102,17 @@ def _store(uri: str | None):
         _fail(str(e))
 
 
+def _stopped_anyway(what: str, result: dict) -> None:
+    """A stop signal arrived but its exception was lost on the way (glmforge.shutdown.note): the
+    flow returned. The run record says how far it got; the exit status still says it was stopped."""
+    from glmforge.shutdown import received
+
+    if received():
+        _print_stages(result)
+        _stopped(what, KeyboardInterrupt(f"a stop signal arrived; run {result['run']['id']} "
+                                         f"{result['run']['state']}"))
+
+
 def _stopped(what: str, e: BaseException) -> None:
     """A stop signal (SIGTERM, Ctrl-C) or a preempted stage: exit 128+signal, not a failure."""
     from glmforge.shutdown import exit_code
@@ -174,6 +185,7 @@ def run(
         _stopped("pipeline", e)
     except Exception as e:  # the run record already holds the failure; say it plainly
         _fail(f"pipeline failed: {type(e).__name__}: {e}", code=1)
+    _stopped_anyway("pipeline", result)
     typer.echo(f"run {result['run']['id']}: {result['run']['state']}")
     _print_stages(result)
 
@@ -214,6 +226,7 @@ def resume(
         _stopped(f"stage {stage}", e)
     except Exception as e:
         _fail(f"stage {stage} failed: {type(e).__name__}: {e}", code=1)
+    _stopped_anyway(f"stage {stage}", result)
     typer.echo(f"run {result['run']['id']}: {result['run']['state']}")
     _print_stages(result)
 

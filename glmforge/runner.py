@@ -41,7 +41,7 @@ from typing import Any, Callable, Sequence
 
 from pydantic import BaseModel
 
-from glmforge.shutdown import Preempted
+from glmforge.shutdown import Preempted, stop_requested
 from glmforge.stage import ProgressFn, StageFn, StageSpec, Workdir, upstream
 from glmforge.store import Lease, Manifest, Store, default_home
 from glmforge.store.lease import pid_alive
@@ -433,6 +433,9 @@ def execute(
                 with _record_lock:
                     record.stage(spec.name).update(started=_now(), seconds=None)
                 try:
+                    if stop_requested():
+                        # a stop signal whose exception was lost (glmforge.shutdown.note): no new stage
+                        raise KeyboardInterrupt(f"stopped by a signal before {spec.name}")
                     if set(spec.parents) <= set(results):
                         parents = {p: results[p].manifest for p in spec.parents}
                     else:

@@ -51,7 +51,10 @@ _callbacks: list[Callable[[int], None]] = []
 _defer_depth = 0
 
 
-def _handler(signum: int, frame) -> None:
+def note(signum: int) -> bool:
+    """Remember a stop signal and run the on_stop callbacks; True for the first. Another handler
+    that takes the signal (Prefect's, which raises in whatever frame runs, a weakref callback
+    included, where the exception is lost) calls this first, so the stop is never forgotten."""
     with _lock:
         _signals.append(signum)
         callbacks = list(_callbacks)
@@ -62,7 +65,11 @@ def _handler(signum: int, frame) -> None:
             cb(signum)
         except Exception:  # a failing callback must not hide the interrupt
             pass
-    if first and _defer_depth > 0:
+    return first
+
+
+def _handler(signum: int, frame) -> None:
+    if note(signum) and _defer_depth > 0:
         return
     raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
 
