@@ -51,7 +51,7 @@ from model.hf import load_state, save_state
 from model.model import GLMModel
 from rl import trainer
 from rl.algorithms import PREFERENCE_LOSSES, PreferenceLossName
-from rl.ranks import SINGLE, ParallelConfig, Ranks, engine_step, is_engine
+from rl.ranks import SINGLE, ParallelConfig, Ranks
 from rl.trainer import OptimConfig
 from training import metrics
 
@@ -305,10 +305,7 @@ def train(cfg: RewardModelConfig, inputs: dict[str, Path], workdir: Workdir, ran
         scores = rm([tr_c[i] for i in idx] + [tr_r[i] for i in idx])
         c, r = scores[: len(idx)], scores[len(idx):]
         loss = PREFERENCE_LOSSES[cfg.loss](c, r)
-        if is_engine(opt):
-            gnorm = engine_step(opt, loss * scale, ranks, cfg.optim.grad_clip)
-        else:
-            gnorm = trainer.clip_and_step(rm, opt, loss, cfg.optim.grad_clip)
+        gnorm = trainer.clip_and_step(rm, opt, loss * scale, cfg.optim.grad_clip, ranks)
         n = len(idx) * (scale > 0)
         sums = ranks.sum([float(loss.detach()) * n, pairwise_accuracy(c.detach(), r.detach()) * n,
                           float((c - r).detach().mean()) * n, float(n)])

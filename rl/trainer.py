@@ -42,7 +42,7 @@ from model.hf import artifact_weights, load_state
 from model.model import GLMModel, indexer_parameters
 from rl import gates
 from rl.gates import GateConfig
-from rl.ranks import SINGLE, Ranks, build_engine, is_engine
+from rl.ranks import SINGLE, Ranks, build_engine, engine_step, is_engine
 from training import checkpoint, metrics
 from training.loop import export
 
@@ -68,9 +68,13 @@ def build_optimizer(module: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Op
     return torch.optim.AdamW(trainable, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
 
 
-def clip_and_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor,
-                  grad_clip: float) -> float:
-    """One optimizer step on `loss`; returns the gradient norm before clipping."""
+def clip_and_step(module: torch.nn.Module, optimizer: Any, loss: torch.Tensor, grad_clip: float,
+                  ranks: Ranks = SINGLE) -> float:
+    """One optimizer step on `loss`; returns the gradient norm before clipping. `optimizer`: a
+    torch optimizer, or on ranks a DeepSpeed engine (rl.ranks.engine_step: its reduction, clip
+    and step)."""
+    if is_engine(optimizer):
+        return engine_step(optimizer, loss, ranks, grad_clip)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     gnorm = torch.nn.utils.clip_grad_norm_([p for p in module.parameters() if p.requires_grad], grad_clip)
@@ -174,29 +178,23 @@ def save(root: Path, step: int, policy: Policy, meta: dict[str, Any], keep_last:
     checkpoint.save_torch(root, step, state, meta, keep_last, policy.texts(), name=STATE)
 
 
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    dist.barrier()
-
-
 def _save_on_ranks(root: Path, step: int, policy: Policy, meta: dict[str, Any], keep_last: int) -> None:
     """A collective: DeepSpeed's checkpoint (module, optimizer, each rank's ZeRO partitions), each
     rank's sampling RNG, and from rank 0 the shared RNG, the texts and the meta that completes it."""
     ranks, tag = policy.ranks, checkpoint.tag_for(step)
     if ranks.rank == 0:
         shutil.rmtree(root / tag, ignore_errors=True)     # the leftover of an interrupted save
-    _barrier()
+    ranks.barrier()
     policy.optimizer.save_checkpoint(str(root), tag=tag, save_latest=False)
     if policy.rank_rng is not None:
         torch.save({"rng": policy.rank_rng.get_state()}, root / tag / RANK_RNG.format(ranks.rank))
-    _barrier()
+    ranks.barrier()
     if ranks.rank == 0:
         torch.save({"rollout_rng": policy.rng.get_state()} if policy.rng is not None else {}, root / tag / STATE)
         for file, text in policy.texts().items():
             (root / tag / file).write_text(text)
         checkpoint.finalize(root, tag, {"step": step, "world_size": ranks.world, **meta}, keep_last)
-    _barrier()
+    ranks.barrier()
 
 
 def load_latest(root: Path, policy: Policy, log_path: Path, stage: str) -> tuple[int, dict[str, Any], Path] | None:

@@ -20,7 +20,7 @@ import torch
 from model.model import GLMModel
 from model.moe import replaying_routes
 from rl.algorithms import ADVANTAGES, POLICY_LOSSES, WITHOUT_PI_OLD
-from rl.ranks import SINGLE, Ranks, engine_step, is_engine
+from rl.ranks import SINGLE, Ranks
 from rl.sample import Sample
 from rl.trainer import clip_and_step
 from training import metrics
@@ -161,17 +161,22 @@ def recompute_old_logprobs(model: GLMModel, samples: list[Sample], pad_id: int, 
     return ent_sum / max(n, 1.0)
 
 
-def mismatch(samples: list[Sample], logprobs: str = "train_logprobs") -> dict[str, float]:
+def mismatch(samples: list[Sample]) -> dict[str, float]:
     """The train/inference mismatch on the trained tokens: mean and max |log pi_train - log
     pi_rollout|, and the K3 estimate of KL(pi_rollout || pi_train) (rho - 1 - log rho with
     rho = pi_train / pi_rollout, on tokens sampled from pi_rollout: unbiased, never negative)."""
-    diffs = [t - r for s in samples for t, r, m in zip(getattr(s, logprobs) or [], s.rollout_logprobs, s.loss_mask)
-             if m]
-    if not diffs:
+    diffs = [t - r for s in samples for t, r, m in zip(s.train_logprobs or [], s.rollout_logprobs, s.loss_mask) if m]
+    return _mismatch_stats(torch.tensor(diffs, dtype=torch.float64), SINGLE)
+
+
+def _mismatch_stats(d: torch.Tensor, ranks: Ranks) -> dict[str, float]:
+    """mismatch()'s figures from this rank's log-prob differences d [N] (train - rollout, trained
+    tokens only), over every rank."""
+    n, absum, k3 = ranks.sum([float(d.numel()), float(d.abs().sum()), float((d.exp() - 1 - d).sum())])
+    if n == 0:
         return {}
-    d = torch.tensor(diffs, dtype=torch.float64)
-    return {"mismatch/abs_logp": float(d.abs().mean()), "mismatch/abs_logp_max": float(d.abs().max()),
-            "mismatch/k3": float((d.exp() - 1 - d).mean())}
+    top = max(ranks.gather(float(d.abs().max()) if d.numel() else 0.0))
+    return {"mismatch/abs_logp": absum / n, "mismatch/abs_logp_max": top, "mismatch/k3": k3 / n}
 
 
 def mismatch_trend(records: list[dict]) -> dict[str, Any] | None:
@@ -211,11 +216,8 @@ def update(model: GLMModel, optimizer, samples: list[Sample], pad_id: int,
             loss, stats = POLICY_LOSSES[params.policy_loss](logp, batch, params)
             if not mis and epoch == 0 and k == 0:
                 # without a pi_old pass: the first minibatch's forward is still at theta_old
-                mis = _first_minibatch_mismatch(mine, logp, batch, scale, ranks)
-            if is_engine(optimizer):
-                gnorm = engine_step(optimizer, loss * scale, ranks, params.grad_clip)
-            else:
-                gnorm = clip_and_step(model, optimizer, loss * scale, params.grad_clip)
+                mis = _first_minibatch_mismatch(logp, batch, scale, ranks)
+            gnorm = clip_and_step(model, optimizer, loss * scale, params.grad_clip, ranks)
             # token-weighted over the ranks, except the loss: the one-rank minibatch loss
             tokens = float(batch["response_mask"].sum()) * (scale > 0)
             keys = sorted(stats)
@@ -233,15 +235,8 @@ def update(model: GLMModel, optimizer, samples: list[Sample], pad_id: int,
     return out
 
 
-def _first_minibatch_mismatch(mine: list[Sample], logp: torch.Tensor, batch: dict[str, torch.Tensor], scale: float,
+def _first_minibatch_mismatch(logp: torch.Tensor, batch: dict[str, torch.Tensor], scale: float,
                               ranks: Ranks) -> dict[str, float]:
-    """mismatch() over the first minibatch, from its (pre-step) forward, summed over the ranks."""
-    m = batch["response_mask"] * (scale > 0)
-    d = (logp.detach() - batch["rollout_logprobs"]).double() * m
-    n = float(m.sum())
-    total, absum, k3 = ranks.sum([n, float(d.abs().sum()), float(((d.exp() - 1 - d) * m).sum())])
-    if total == 0:
-        return {}
-    local_max = float((d.abs() * m).max()) if n else 0.0
-    return {"mismatch/abs_logp": absum / total, "mismatch/abs_logp_max": max(ranks.gather(local_max)),
-            "mismatch/k3": k3 / total}
+    """mismatch() over the first minibatch, from its (pre-step) forward, over the ranks."""
+    m = (batch["response_mask"] > 0) & (scale > 0)
+    return _mismatch_stats((logp.detach() - batch["rollout_logprobs"]).double()[m], ranks)
