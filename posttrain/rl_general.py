@@ -65,7 +65,7 @@ from rl.judges import (
 )
 from rl.ranks import SINGLE, ParallelConfig, Ranks
 from rl.rewards import REWARDS
-from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
+from rl.rollout import RolloutConfig, RolloutEngine, SamplingParams, open_engine, prompt_ids
 from rl.sample import Sample, Status
 from rl.trainer import GateCheck, OptimConfig
 from rl.update import UpdateParams, assign_advantages, mismatch_trend, update
@@ -110,6 +110,7 @@ class RLGeneralConfig(BaseModel):
     max_new_tokens: int = Field(512, ge=1)
     rollout_int4: Optional[QATConfig] = None
     rollout_batch: int = Field(256, ge=1)
+    rollout: RolloutConfig = Field(RolloutConfig(), description="the engine rollouts come from: native or vLLM")
     gsm8k_path: str = "{samples}/gsm8k/train.jsonl"
     gsm8k_skip: int = Field(200, ge=0)
     mbpp_path: str = "{samples}/mbpp/mbpp.jsonl"
@@ -300,7 +301,6 @@ def train(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workdir, ranks
     sample_gen = trainer.sampling_rng(gen, seed, ranks)
     policy = trainer.policy_for(model, cfg.optim, gen, ranks, cfg.parallel.zero_stage, sample_gen)
     opt = policy.optimizer
-    engine = RolloutEngine(model, tokenizer, stop_ids, pad_id, int4=cfg.rollout_int4, batch_size=cfg.rollout_batch)
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
     params = UpdateParams(cfg.eps_low, cfg.eps_high, cfg.icepop_beta, cfg.minibatches, cfg.epochs,
                           cfg.temperature, cfg.std_normalize, cfg.optim.grad_clip, cfg.policy_loss)
@@ -329,6 +329,7 @@ def train(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workdir, ranks
         last[:] = samples
         rec = step_record(step, samples, tokenizer, comps, stats, flat, failures, extra,
                           {"generate": t1 - t0, "reward": t2 - t1, "train": t3 - t2})
+        rec.update(engine.metrics())
         if ranks.world > 1:
             rec["trainer_ranks"] = ranks.world
         return rec
@@ -338,9 +339,11 @@ def train(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workdir, ranks
         start, before = resumed[0], resumed[1]["before"]
     else:
         start, before = 0, trainer.measure_gates(model, tokenizer, cfg.gates, seed) if lead else {}
-    trainer.run_steps("rl-general", policy, one_step, start=start, steps=cfg.steps, root=root, log_path=log_path,
-                      workdir=workdir, checkpoint_every=cfg.checkpoint_every, keep_last=cfg.keep_last,
-                      meta=lambda: {"before": before}, describe=lambda r: f"reward {r['reward']:.3f}")
+    with open_engine(cfg.rollout, model, tokenizer, stop_ids, pad_id, workdir.checkpoint / f"engine-rank{ranks.rank}",
+                     int4=cfg.rollout_int4, batch_size=cfg.rollout_batch) as engine:
+        trainer.run_steps("rl-general", policy, one_step, start=start, steps=cfg.steps, root=root, log_path=log_path,
+                          workdir=workdir, checkpoint_every=cfg.checkpoint_every, keep_last=cfg.keep_last,
+                          meta=lambda: {"before": before}, describe=lambda r: f"reward {r['reward']:.3f}")
     if not lead:
         return None
     after = trainer.measure_gates(model, tokenizer, cfg.gates, seed)

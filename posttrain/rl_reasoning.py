@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from chat.template import STOP_TOKENS
 from data_processing.tokenizer import load_tokenizer
@@ -48,7 +48,7 @@ from rl.algorithms import AdvantageName, PolicyLossName
 from rl.gates import GateConfig
 from rl.ranks import SINGLE, ParallelConfig, Ranks
 from rl.rewards import RewardWorker
-from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
+from rl.rollout import RolloutConfig, RolloutEngine, SamplingParams, open_engine, prompt_ids
 from rl.sample import Sample, Status
 from rl.sandbox import require_isolation
 from rl.trainer import GateCheck, OptimConfig
@@ -85,6 +85,7 @@ class RLReasoningConfig(BaseModel):
     routing_replay: bool = Field(False, description="rollouts record each token's experts and the trainer's "
                                  "forward passes use them (R3): log-probs of the experts that produced the tokens")
     rollout_batch: int = Field(256, ge=1, description="sequences per generate() call")
+    rollout: RolloutConfig = Field(RolloutConfig(), description="the engine rollouts come from: native or vLLM")
     # rewards
     reward_timeout_s: float = Field(10.0, gt=0)
     recheck_per_step: int = Field(4, ge=0, description="rewarded samples re-checked per step by an independent "
@@ -119,6 +120,12 @@ class RLReasoningConfig(BaseModel):
         if any(w < 0 for w in v.values()) or not any(w > 0 for w in v.values()):
             raise ValueError("domain weights must be >= 0 with at least one > 0")
         return v
+
+    @model_validator(mode="after")
+    def _replay_needs_native(self) -> "RLReasoningConfig":
+        if self.routing_replay and self.rollout.backend != "native":
+            raise ValueError("routing_replay needs rollout.backend=native (vLLM's routed experts are not wired in)")
+        return self
 
 
 def require_sandbox(cfg: RLReasoningConfig) -> None:
@@ -224,15 +231,15 @@ def train(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir,
     gen = torch.Generator().manual_seed(seed)
     sample_gen = trainer.sampling_rng(gen, seed, ranks)
     policy = trainer.policy_for(model, cfg.optim, gen, ranks, cfg.parallel.zero_stage, sample_gen)
-    engine = RolloutEngine(model, tokenizer, stop_ids, pad_id, int4=cfg.rollout_int4, batch_size=cfg.rollout_batch,
-                           record_routes=cfg.routing_replay)
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
     params = UpdateParams(cfg.eps_low, cfg.eps_high, cfg.icepop_beta, cfg.minibatches, cfg.epochs,
                           cfg.temperature, cfg.std_normalize, cfg.optim.grad_clip, cfg.policy_loss)
     ckpt_root, log_path = workdir.checkpoint / "ckpt", workdir.checkpoint / "metrics.jsonl"
     last: list[Sample] = []
 
-    with RewardWorker() as worker:
+    with open_engine(cfg.rollout, model, tokenizer, stop_ids, pad_id, workdir.checkpoint / f"engine-rank{ranks.rank}",
+                     int4=cfg.rollout_int4, batch_size=cfg.rollout_batch, record_routes=cfg.routing_replay
+                     ) as engine, RewardWorker() as worker:
         def one_step(step: int) -> dict[str, Any]:
             t0 = time.perf_counter()
             engine.sync(model, step)
@@ -253,6 +260,7 @@ def train(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir,
             last[:] = samples
             rec = step_record(step, samples, stats, flat, failures,
                               {"generate": t1 - t0, "reward": t2 - t1, "train": t3 - t2})
+            rec.update(engine.metrics())
             if ranks.world > 1:
                 rec["trainer_ranks"] = ranks.world
             if lead:

@@ -15,8 +15,11 @@ from __future__ import annotations
 import contextlib
 import copy
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from chat.template import Message, encode
 from domains.task import Task
@@ -25,6 +28,7 @@ from model.model import GLMModel
 from model.moe import recording_routes
 from quant.qat import QATConfig, prepare_qat
 from rl.sample import Sample, Status
+from rl.vllm_server import VLLMConfig
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,29 @@ def prompt_ids(tokenizer, task: Task, tools: list[dict] | None = None) -> list[i
     return encode(tokenizer, messages, tools, thinking_mode="turn", add_generation_prompt=True).ids
 
 
+class RolloutConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    backend: Literal["native", "vllm"] = Field("native", description=(
+        "native: this module's engine in the stage's process; vllm: vLLM servers the stage starts and stops "
+        "(rl.vllm_engine; `make vllm-setup`)"))
+    vllm: VLLMConfig = VLLMConfig()
+
+
+def open_engine(cfg: RolloutConfig, policy: GLMModel, tokenizer, stop_ids: list[int], pad_id: int, root: Path, *,
+                int4: QATConfig | None = None, batch_size: int = 64, record_routes: bool = False):
+    """The rollout engine a stage's `rollout:` section asks for, as a context manager that stops
+    what it started (vLLM's servers) however the stage ends. root: the engine's files."""
+    if cfg.backend == "native":
+        return RolloutEngine(policy, tokenizer, stop_ids, pad_id, int4=int4, batch_size=batch_size,
+                             record_routes=record_routes)
+    if record_routes:
+        raise ValueError("routing replay needs rollout.backend=native: vLLM's routed-experts output is not wired in")
+    from rl.vllm_engine import VLLMEngine
+
+    return VLLMEngine(policy, tokenizer, stop_ids, cfg.vllm, root, int4=int4)
+
+
 class RolloutEngine:
     def __init__(self, policy: GLMModel, tokenizer, stop_ids: list[int], pad_id: int,
                  int4: QATConfig | None = None, batch_size: int = 64, record_routes: bool = False):
@@ -55,6 +82,15 @@ class RolloutEngine:
             prepare_qat(self.model, int4)     # state-dict names unchanged: sync stays a plain copy
         self.model.eval()
         self.version = 0
+
+    def __enter__(self) -> "RolloutEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def metrics(self) -> dict[str, float]:
+        return {}
 
     def sync(self, policy: GLMModel, version: int) -> None:
         self.model.load_state_dict(policy.state_dict())
