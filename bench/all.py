@@ -180,6 +180,16 @@ def rl_ranks(out: str) -> tuple[str, str]:
             ", ".join(f"{k} {v}" for k, v in r["settings"].items()))
 
 
+def vllm_rollout(out: str) -> tuple[str, str]:
+    r = last_json(out)
+    n, v = r["native"], r["vllm"]
+    return (f"rollouts {v['tokens_per_s']:.0f} tok/s on vLLM vs {n['tokens_per_s']:.0f} native = "
+            f"{r['ratio_vllm_over_native']:.2f}x; vLLM start-up {v['startup_s']:.0f} s, weight update "
+            f"{v['weight_update_s']:.2f} s; |d log p| vs the trainer mean/max vLLM {v['mean_abs_dlogp']:.1e}/"
+            f"{v['max_abs_dlogp']:.1e}, native {n['mean_abs_dlogp']:.1e}/{n['max_abs_dlogp']:.1e}",
+            ", ".join(f"{k} {v}" for k, v in r["settings"].items()))
+
+
 def curation_dask(out: str) -> tuple[str, str]:
     rows = last_json(out)
 
@@ -258,6 +268,8 @@ BENCHES = [
           "agentic RL, asynchronous vs synchronous, same trained samples"),
     Bench("rl_ranks", ["--samples", "16", "--repeats", "1", "--sync-presets", "tiny", "--json"], ["--json"], rl_ranks,
           "RL update on 1 vs 2 gloo ranks, bucketed weight sync (tiny, small), INT4 mismatch with/without routing replay"),
+    Bench("vllm_rollout", ["--prompts", "4", "--group", "4", "--new-tokens", "8", "--repeats", "1", "--json"],
+          ["--json"], vllm_rollout, "rollouts on vLLM vs the native engine, same model and tokens (make vllm-setup)"),
     Bench("curation_dask", ["--max-docs", "500", "--planted", "50"], [], curation_dask,
           "exact + MinHash dedup on Dask (1, 2 workers; 1, 5 shards per task) beside one process"),
     Bench("moe_ep", ["--tokens", "256", "--steps", "3", "--warmup", "1"], [], moe_ep,

@@ -100,6 +100,7 @@ class Section:
     timeout_s: float
     modules: tuple[str, ...]                 # Python modules it imports: its preconditions
     fn: Callable[["Context"], None]
+    default: bool = True                     # run without --sections naming it
 
 
 class Context:
@@ -526,6 +527,61 @@ def nccl_launch(ctx: Context) -> None:
         raise CheckFailed(f"backend {r['backend']} (want {want}), losses {r['losses']}")
 
 
+def vllm_glm(ctx: Context) -> None:
+    """GLM-5's own checkpoint on vLLM's GPU path (sparse attention, which vLLM's CPU build refuses):
+    a random GLM-shaped model with the DSA indexer active (contexts longer than index_topk) served
+    through rl.vllm_engine with checkpoint=glm_moe_dsa: token ids in and out, a weight update, and
+    the log-probs of vLLM's tokens against our forward on the same GPU. Runs where vLLM is
+    installed on the device (it is not carried: too large)."""
+    import torch
+
+    from model.config import tiny
+    from model.model import GLMModel
+    from rl.rollout import SamplingParams
+    from rl.sample import Sample
+    from rl.update import recompute_old_logprobs
+    from rl.vllm_engine import VLLMEngine
+    from rl.vllm_server import VLLMConfig
+    from domains.task import Task
+
+    class _Bytes:                                     # token ids are bytes: no tokenizer to train
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(i % 256 for i in ids).decode("latin-1")
+
+    torch.manual_seed(0)
+    cfg = tiny().replace(vocab_size=256, hidden_size=256, num_layers=3, kv_lora_rank=512, qk_rope_head_dim=64,
+                         index_head_dim=64, index_topk=32, mtp_depth=0)
+    model = GLMModel(cfg).to(ctx.device)
+    vcfg = VLLMConfig(python=sys.executable, dtype="float32", max_model_len=512, enforce_eager=True,
+                      checkpoint="glm_moe_dsa", startup_timeout_s=max(ctx.remaining() - 60, 30), env={})
+    task = Task("bytes", "", "")
+    prompts = [[(7 * g + i) % 256 for i in range(96)] for g in range(8)]   # 96 > index_topk: sparse
+    t0 = time.perf_counter()
+    with VLLMEngine(model.cpu(), _Bytes(), [], vcfg, ctx.out / "vllm_glm", on_gpu=True) as engine:
+        ctx.record(startup_s=round(time.perf_counter() - t0, 1))
+        model.to(ctx.device)
+        samples = [Sample(task, g, p) for g, p in enumerate(prompts) for _ in range(4)]
+        t = time.perf_counter()
+        engine.generate(samples, SamplingParams(1.0, 1.0, 64), torch.Generator().manual_seed(0))
+        tokens = sum(len(s.response_ids) for s in samples)
+        ctx.record(tokens_per_s=round(tokens / (time.perf_counter() - t), 1))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+        engine.sync(model.cpu(), 1)
+        model.to(ctx.device)
+        after = [Sample(task, g, p) for g, p in enumerate(prompts) for _ in range(4)]
+        engine.generate(after, SamplingParams(1.0, 1.0, 64), torch.Generator().manual_seed(1))
+    recompute_old_logprobs(model, after, 0, 1.0)
+    d = [abs(a - b) for s in after for a, b in zip(s.rollout_logprobs, s.train_logprobs)]
+    ctx.record(mean_abs_dlogp=round(sum(d) / len(d), 5), max_abs_dlogp=round(max(d), 4),
+               versions_after_update=sorted({v for s in after for v in s.versions}))
+    if {v for s in after for v in s.versions} != {1}:
+        raise CheckFailed("tokens after the weight update do not all carry version 1")
+    if sum(d) / len(d) > 0.02:
+        raise CheckFailed(f"vLLM's log-probs differ from the trainer's by {sum(d) / len(d):.4f} on average")
+
+
 SECTIONS: list[Section] = [
     Section("environment", "Environment and installs", False, 30, ("torch",), environment),
     Section("kernel_tests", "Triton kernel tests compiled on CUDA", True, 110,
@@ -538,6 +594,9 @@ SECTIONS: list[Section] = [
             ("torch", "pydantic", "numpy"), bf16_training),
     Section("nccl_launch", "torchrun, 1 rank, NCCL", True, 40, ("torch", "pydantic", "numpy"),
             nccl_launch),
+    # opt-in (--sections vllm_glm), where vLLM is installed on the device; never installed by --install
+    Section("vllm_glm", "GLM-5 checkpoint (DSA) on vLLM: versions, weight update, parity", True, 300,
+            ("torch", "vllm", "pydantic", "safetensors"), vllm_glm, default=False),
 ]
 
 
@@ -693,7 +752,8 @@ def run_all(args: argparse.Namespace, in_process: bool = False) -> dict[str, Any
         "device": args.device, "cuda": False, "command": " ".join(["bench/gpu_check.py", *args.argv]),
         "sections": []}
     start = time.monotonic()
-    selected = [s for s in SECTIONS if not args.sections or s.name in args.sections]
+    selected = [s for s in SECTIONS if s.name in args.sections] if args.sections else \
+        [s for s in SECTIONS if s.default]
     # the environment section finds out (after any install); without it, ask a fresh process
     cuda = False if any(s.name == "environment" for s in selected) else cuda_available()
     report["cuda"] = cuda
@@ -818,7 +878,7 @@ def main(argv: list[str] | None = None) -> int:
 def _install_wheels(args: argparse.Namespace) -> None:
     """--wheels DIR: the missing packages from DIR into a folder on PYTHONPATH (the GPU image's
     Python may be read-only or shared), before any section starts."""
-    missing = missing_modules(m for s in SECTIONS for m in s.modules if m != "torch")
+    missing = missing_modules(m for s in SECTIONS for m in s.modules if m not in ("torch", "vllm"))
     if not missing:
         return
     target = Path(tempfile.gettempdir()) / "glmforge_gpu_check_site"   # not under $OUT: it comes back
