@@ -31,6 +31,7 @@ lost or trained twice: each step records the group ids it trained on.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import logging
@@ -42,7 +43,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from chat.template import STOP_TOKENS
 from data_processing.tokenizer import load_tokenizer
@@ -57,7 +58,7 @@ from rl.envs import ENVIRONMENTS, make_env, tasks_for
 from rl.gates import GateConfig
 from rl.orchestrator import WorkerPool
 from rl.ranks import SINGLE, ParallelConfig, Ranks, is_engine
-from rl.rollout import RolloutEngine, SamplingParams
+from rl.rollout import RolloutConfig, RolloutEngine, SamplingParams, open_engine
 from rl.sample import Sample
 from rl.sandbox import require_isolation
 from rl.staleness import admit, filter_groups
@@ -106,6 +107,8 @@ class RLAgenticConfig(BaseModel):
     max_new_tokens: int = Field(256, ge=1, description="per assistant turn")
     rollout_int4: Optional[QATConfig] = None
     rollout_batch: int = Field(64, ge=1)
+    rollout: RolloutConfig = Field(RolloutConfig(), description="the engine rollouts come from: native (each worker "
+                                   "holds a copy) or vLLM (the stage's servers; workers send it their turns)")
     heartbeat_s: float = Field(1.0, gt=0)
     dead_after_s: float = Field(60.0, gt=0)
     heldout: int = Field(100, ge=0, description="held-out episodes per environment, greedy, before and after")
@@ -145,6 +148,13 @@ class RLAgenticConfig(BaseModel):
                 raise ValueError(f"env_args.{name}: unknown arguments {bad}; "
                                  f"{name} takes {', '.join(p for p in params if p != 'self') or 'none'}")
         return v
+
+    @model_validator(mode="after")
+    def _vllm_on_one_rank(self) -> "RLAgenticConfig":
+        if self.rollout.backend == "vllm" and self.parallel.launch.world_size > 1:
+            raise ValueError("rl-agentic on vLLM trains on one rank (its trainer ranks would each need the servers' "
+                             "weight updates coordinated: not built)")
+        return self
 
 
 def require_sandbox(cfg: RLAgenticConfig) -> None:
@@ -251,7 +261,14 @@ def train(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workdir, ranks
     """The stage in this process, or as one of `ranks` (rl.launch): rank 0 owns the rollout side
     (the worker pool, the sample buffer, admission, the evaluations) and hands each step's groups to
     every rank; all train on them (rl.ranks), and at a sync every rank publishes its share of the
-    new version (rl.weight_sync) before rank 0 announces it to the workers."""
+    new version (rl.weight_sync) before rank 0 announces it to the workers. On vLLM the stage's
+    servers take each version (pause, reload, resume) and the workers send them their turns."""
+    with contextlib.ExitStack() as engines:
+        return _train(cfg, inputs, workdir, ranks, engines)
+
+
+def _train(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workdir, ranks: Ranks,
+           engines: contextlib.ExitStack) -> dict[str, Any] | None:
     seed = workdir.seed
     lead = ranks.rank == 0
     tokenizer = load_tokenizer(inputs["tokenize"])
@@ -262,7 +279,10 @@ def train(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workdir, ranks
     heldout = [t for e in prompts.weights for t in tasks_for(e, "heldout", cfg.heldout, seed)]
     gen = torch.Generator().manual_seed(seed)
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
-    engine = RolloutEngine(model, tokenizer, stop_ids, pad_id, int4=cfg.rollout_int4, batch_size=cfg.rollout_batch)
+    engine = engines.enter_context(open_engine(cfg.rollout, model, tokenizer, stop_ids, pad_id,
+                                               workdir.checkpoint / f"engine-rank{ranks.rank}", int4=cfg.rollout_int4,
+                                               batch_size=cfg.rollout_batch))
+    on_vllm = cfg.rollout.backend == "vllm"
     ckpt_root, log_path = workdir.checkpoint / "ckpt", workdir.checkpoint / "metrics.jsonl"
     weights_dir = workdir.checkpoint / "weights"
     B = cfg.prompts_per_step * cfg.group_size
@@ -286,12 +306,16 @@ def train(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workdir, ranks
 
     pool = None
     if not cfg.synchronous and lead:
-        pool = WorkerPool(cfg.workers, worker_config(cfg, inputs, seed), weights_dir,
+        pool = WorkerPool(cfg.workers, worker_config(cfg, inputs, seed, engine if on_vllm else None), weights_dir,
                           heartbeat_s=cfg.heartbeat_s, dead_after_s=cfg.dead_after_s)
         pool.start()
 
     def publish_version() -> dict[str, Any]:
-        """The current version to the workers: from this process, or every rank its share."""
+        """The current version to the workers: from this process, or every rank its share; on vLLM
+        to the servers the workers send their turns to."""
+        if on_vllm:
+            engine.sync(model, state["version"])
+            return engine.metrics()
         if ranks.world == 1:
             sent = pool.publish(model, state["version"])
         else:
@@ -390,11 +414,16 @@ def train(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workdir, ranks
     return result
 
 
-def worker_config(cfg: RLAgenticConfig, inputs: dict[str, Path], seed: int) -> dict[str, Any]:
+def worker_config(cfg: RLAgenticConfig, inputs: dict[str, Path], seed: int, servers=None) -> dict[str, Any]:
+    """What a rollout worker needs; servers: the stage's vLLM engine, whose servers the workers
+    call instead of holding weights of their own."""
+    vllm = None if servers is None else {"urls": [s.url for s in servers.servers],
+                                         "config": cfg.rollout.vllm.model_dump()}
     return {"tokenizer": str(inputs["tokenize"]), "seed": seed, "max_turns": cfg.max_turns,
             "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens},
             "int4": cfg.rollout_int4.model_dump() if cfg.rollout_int4 else None, "batch_size": cfg.rollout_batch,
-            "env_args": cfg.env_args, "threads": 1, "context": cfg.context.model_dump() if cfg.context else None}
+            "env_args": cfg.env_args, "threads": 1, "context": cfg.context.model_dump() if cfg.context else None,
+            "vllm": vllm}
 
 
 def summary(records: list[dict[str, Any]], before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:

@@ -114,11 +114,11 @@ def run_group(engine: RolloutEngine, tokenizer, make_env: Callable[[], Env], tas
             on_turn()                              # e.g. take new weights between turns
         gen = torch.Generator().manual_seed(seed_for(seed, group, turn))
         outs = engine.complete([e.sample.prompt_ids + e.sample.response_ids for e in active], params, gen)
-        for e, (toks, lps, stopped) in zip(active, outs):
+        for e, (toks, lps, stopped, versions) in zip(active, outs):
             s = e.sample
             s.response_ids += toks
             s.rollout_logprobs += lps
-            s.versions += [engine.version] * len(toks)
+            s.versions += versions
             s.loss_mask += [1] * len(toks)
             text = tokenizer.decode(toks, skip_special_tokens=False)
             parsed = parse_assistant(text, e.env.tools)
@@ -132,7 +132,7 @@ def run_group(engine: RolloutEngine, tokenizer, make_env: Callable[[], Env], tas
                 more = observation_ids(tokenizer, obs)
                 s.response_ids += more
                 s.rollout_logprobs += [0.0] * len(more)
-                s.versions += [engine.version] * len(more)
+                s.versions += versions[-1:] * len(more)
                 s.loss_mask += [0] * len(more)
                 if getattr(result, "done", False):
                     _finish(e, parsed.message.content)

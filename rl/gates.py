@@ -102,7 +102,7 @@ class _Direct(RolloutEngine):
 
 def _greedy(engine: RolloutEngine, prefixes: list[list[int]], max_new: int) -> list[list[int]]:
     out = engine.complete(prefixes, SamplingParams(temperature=0.0, max_new_tokens=max_new), torch.Generator())
-    return [toks for toks, _, _ in out]
+    return [toks for toks, *_ in out]
 
 
 def _problems(cfg: GateEvalConfig):

@@ -118,7 +118,7 @@ def grm_judge(engine, tokenizer, scoring: str = "parse", max_new_tokens: int = 4
                     for t, r in items]
         if scoring == "parse":
             out = engine.complete(prefixes, params, torch.Generator())
-            return [parse_grm_score(tokenizer.decode(toks, skip_special_tokens=True)) for toks, _, _ in out]
+            return [parse_grm_score(tokenizer.decode(toks, skip_special_tokens=True)) for toks, *_ in out]
         p = engine.next_token_logprobs(prefixes).exp()
         mass = torch.stack([p[:, ids].sum(-1) for ids in numbers.values()], -1)      # [N, values]
         total = mass.sum(-1)

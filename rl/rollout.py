@@ -113,12 +113,13 @@ class RolloutEngine:
 
     @torch.no_grad()
     def complete(self, prefixes: list[list[int]], params: SamplingParams, generator: torch.Generator
-                 ) -> list[tuple[list[int], list[float], bool]]:
+                 ) -> list[tuple[list[int], list[float], bool, list[int]]]:
         """Continue each token prefix: (new ids up to and including the first stop token,
-        their log-probs, whether a stop token ended it), in order."""
+        their log-probs, whether a stop token ended it, the policy version of each), in order."""
         out = []
         for i in range(0, len(prefixes), self.batch_size):
-            out += [r[:3] for r in self._batch(prefixes[i:i + self.batch_size], params, generator)]
+            out += [(toks, lps, stopped, [self.version] * len(toks))
+                    for toks, lps, stopped, _ in self._batch(prefixes[i:i + self.batch_size], params, generator)]
         return out
 
     @torch.no_grad()

@@ -51,6 +51,12 @@ def serve(address: tuple[str, int], worker_id: str) -> None:
     params = SamplingParams(**cfg["sampling"])
     int4 = QATConfig(**cfg["int4"]) if cfg.get("int4") else None
     engine: RolloutEngine | None = None
+    if cfg.get("vllm"):                 # the stage's vLLM servers: they take the weights, not this process
+        from rl.vllm_engine import VLLMEngine
+        from rl.vllm_server import VLLMConfig
+
+        engine = VLLMEngine.connect(cfg["vllm"]["urls"], VLLMConfig(**cfg["vllm"]["config"]), tokenizer,
+                                    [tokenizer.token_to_id(t) for t in STOP_TOKENS])
     queue: list[tuple] = []
     stop = threading.Event()
 
@@ -65,6 +71,8 @@ def serve(address: tuple[str, int], worker_id: str) -> None:
 
     def load(version: int, root: str) -> None:
         nonlocal engine
+        if cfg.get("vllm"):
+            return
         config_json, state, _ = weight_sync.load_version(Path(root), version)
         model = GLMModel(ModelConfig.model_validate_json(config_json))
         weight_sync.apply(model, state)

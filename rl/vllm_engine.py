@@ -51,6 +51,9 @@ log = logging.getLogger("glmforge")
 
 # vLLM's CPU MLA kernel takes one latent width: kv_lora_rank 512 + qk_rope_head_dim 64 (GLM-5's)
 CPU_MLA_LATENT = 576
+# vLLM's CPU MoE kernel pads the expert width to a multiple of this; its weight reload then fails
+# (it copies the unpadded checkpoint tensors into the padded storage), so only unpadded widths work
+CPU_MOE_ALIGN = 32
 _NETWORK_ERRORS = (urllib.error.URLError, ConnectionError, HTTPException, TimeoutError, OSError)
 
 
@@ -73,6 +76,11 @@ def check_servable(model: GLMModel, cfg: VLLMConfig, on_gpu: bool) -> None:
             f"vLLM on CPU serves MLA only with kv_lora_rank + qk_rope_head_dim = {CPU_MLA_LATENT} (512 + 64); "
             f"this model has {c.kv_lora_rank} + {c.qk_rope_head_dim} (docs/vllm-cpu.md). Use rollout.backend=native, "
             "or train a model with those latent sizes")
+    if not on_gpu and c.n_routed_experts and c.moe_intermediate_size % CPU_MOE_ALIGN:
+        raise ValueError(
+            f"vLLM on CPU pads moe_intermediate_size to a multiple of {CPU_MOE_ALIGN} and then cannot reload weights "
+            f"(a shape error at the first update); this model has {c.moe_intermediate_size}: train with a multiple "
+            f"of {CPU_MOE_ALIGN}, or use rollout.backend=native")
     if cfg.checkpoint == "glm_moe_dsa" and not on_gpu:
         raise ValueError("rollout.vllm.checkpoint=glm_moe_dsa needs vLLM's sparse-attention backend, which vLLM "
                          "has on GPUs only; on CPU use checkpoint=dense_mla")
@@ -110,10 +118,25 @@ class VLLMEngine:
             self.close()
             raise
 
+    @classmethod
+    def connect(cls, urls: list[str], cfg: VLLMConfig, tokenizer, stop_ids: list[int]) -> "VLLMEngine":
+        """A client of servers another process owns and updates (rl-agentic's rollout workers): it
+        generates; versions come from the servers' spans; sync is the owner's."""
+        engine = cls.__new__(cls)
+        engine.tokenizer, engine.stop_ids, engine.cfg, engine.int4 = tokenizer, list(stop_ids), cfg, None
+        engine.version, engine.restarts, engine.update_seconds = 0, 0, 0.0
+        engine._lock = threading.Lock()
+        engine.servers = [VLLMServer(cfg, Path("."), Path("/dev/null"), url) for url in urls]
+        engine.ring = HashRing()
+        for i in range(len(urls)):
+            engine.ring.add(str(i))
+        return engine
+
     # ------------------------------------------------------------ life
     def close(self) -> None:
         for s in self.servers if hasattr(self, "servers") else []:
-            s.stop()
+            if s.owned:
+                s.stop()
 
     def __enter__(self) -> "VLLMEngine":
         return self
@@ -173,11 +196,12 @@ class VLLMEngine:
             s.text = self.tokenizer.decode(toks, skip_special_tokens=True)
 
     def complete(self, prefixes: list[list[int]], params: SamplingParams, generator: torch.Generator,
-                 keys: list[str] | None = None) -> list[tuple[list[int], list[float], bool]]:
+                 keys: list[str] | None = None) -> list[tuple[list[int], list[float], bool, list[int]]]:
         """Continue each token prefix: (new ids up to and including the first stop token, their
-        log-probs, whether a stop token ended it). keys: affinity keys (an episode's id)."""
+        log-probs, whether a stop token ended it, the weight version of each as the server labels
+        it). keys: affinity keys (an episode's id)."""
         keys = keys or [f"seq/{i}" for i in range(len(prefixes))]
-        return [o[:3] for o in self._run(prefixes, keys, params, generator)]
+        return self._run(prefixes, keys, params, generator)
 
     def _run(self, prompts: list[list[int]], keys: list[str], params: SamplingParams, generator: torch.Generator
              ) -> list[tuple[list[int], list[float], bool, list[int]]]:

@@ -83,7 +83,7 @@ def test_teacher_with_another_tokenizer_or_vocab_is_refused(tmp_path):
 def _greedy(model, tok, prefixes, n):
     stop = [tok.token_to_id(t) for t in STOP_TOKENS]
     eng = RolloutEngine(model, tok, stop, tok.token_to_id("<|pad|>"))
-    return [t for t, _, _ in eng.complete(prefixes, SamplingParams(0.0, 1.0, n), torch.Generator())]
+    return [t for t, *_ in eng.complete(prefixes, SamplingParams(0.0, 1.0, n), torch.Generator())]
 
 
 def test_distillation_recovers_a_forced_regression():

@@ -74,7 +74,7 @@ class ScriptedEngine:
 
     def complete(self, prefixes, params, generator):
         ids = self.turns.pop(0)
-        return [(list(ids), [-0.5] * len(ids), True) for _ in prefixes]
+        return [(list(ids), [-0.5] * len(ids), True, [self.version] * len(ids)) for _ in prefixes]
 
 
 def _ids(tokenizer, text):
