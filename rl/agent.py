@@ -113,7 +113,9 @@ def run_group(engine: RolloutEngine, tokenizer, make_env: Callable[[], Env], tas
         if on_turn is not None:
             on_turn()                              # e.g. take new weights between turns
         gen = torch.Generator().manual_seed(seed_for(seed, group, turn))
-        outs = engine.complete([e.sample.prompt_ids + e.sample.response_ids for e in active], params, gen)
+        # one affinity key per group: its episodes share the prompt, and every turn returns to it
+        outs = engine.complete([e.sample.prompt_ids + e.sample.response_ids for e in active], params, gen,
+                               keys=[f"group/{group}"] * len(active))
         for e, (toks, lps, stopped, versions) in zip(active, outs):
             s = e.sample
             s.response_ids += toks

@@ -112,10 +112,11 @@ class RolloutEngine:
             s.text = self.tokenizer.decode(toks, skip_special_tokens=True)
 
     @torch.no_grad()
-    def complete(self, prefixes: list[list[int]], params: SamplingParams, generator: torch.Generator
-                 ) -> list[tuple[list[int], list[float], bool, list[int]]]:
+    def complete(self, prefixes: list[list[int]], params: SamplingParams, generator: torch.Generator,
+                 keys: list[str] | None = None) -> list[tuple[list[int], list[float], bool, list[int]]]:
         """Continue each token prefix: (new ids up to and including the first stop token,
-        their log-probs, whether a stop token ended it, the policy version of each), in order."""
+        their log-probs, whether a stop token ended it, the policy version of each), in order.
+        keys: affinity keys, for engines with replicas (one engine here: unused)."""
         out = []
         for i in range(0, len(prefixes), self.batch_size):
             out += [(toks, lps, stopped, [self.version] * len(toks))

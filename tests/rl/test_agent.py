@@ -49,7 +49,7 @@ class ScriptedEngine:
     def __init__(self, turns):
         self.turns, self.version, self.seen = list(turns), 0, []
 
-    def complete(self, prefixes, params, generator):
+    def complete(self, prefixes, params, generator, keys=None):
         self.seen.append([list(p) for p in prefixes])
         ids = self.turns.pop(0)
         return [(list(ids), [-0.5] * len(ids), True, [self.version] * len(ids)) for _ in prefixes]
