@@ -101,8 +101,9 @@ class VLLMEngine:
         self.version = 0
         self.restarts = 0
         self.update_seconds = 0.0
+        self.parity_gap = 0.0
         self._lock = threading.Lock()
-        self.weights_dir = self._export(policy, 0)
+        self.weights_dir, served = self._export(policy, 0)
         urls = cfg.urls or [None] * cfg.replicas
         self.servers = [VLLMServer(cfg, self.weights_dir, self.root / f"server-{i}.log", url)
                         for i, url in enumerate(urls)]
@@ -114,6 +115,7 @@ class VLLMEngine:
                 list(pool.map(lambda s: s.start(), self.servers))
             for s in self.servers:
                 self._label(s, 0)
+            self.check_parity(served)
         except BaseException:
             self.close()
             raise
@@ -124,7 +126,7 @@ class VLLMEngine:
         generates; versions come from the servers' spans; sync is the owner's."""
         engine = cls.__new__(cls)
         engine.tokenizer, engine.stop_ids, engine.cfg, engine.int4 = tokenizer, list(stop_ids), cfg, None
-        engine.version, engine.restarts, engine.update_seconds = 0, 0, 0.0
+        engine.version, engine.restarts, engine.update_seconds, engine.parity_gap = 0, 0, 0.0, 0.0
         engine._lock = threading.Lock()
         engine.servers = [VLLMServer(cfg, Path("."), Path("/dev/null"), url) for url in urls]
         engine.ring = HashRing()
@@ -145,10 +147,11 @@ class VLLMEngine:
         self.close()
 
     def metrics(self) -> dict[str, float]:
-        return {"vllm/weight_update_s": self.update_seconds, "vllm/restarts": self.restarts}
+        return {"vllm/weight_update_s": self.update_seconds, "vllm/restarts": self.restarts,
+                "vllm/parity_gap": self.parity_gap}
 
     # ------------------------------------------------------------ weights
-    def _export(self, policy: GLMModel, version: int) -> Path:
+    def _export(self, policy: GLMModel, version: int) -> tuple[Path, GLMModel]:
         final = self.root / "weights" / f"v{version:06d}"
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -159,7 +162,7 @@ class VLLMEngine:
             save_pretrained(model, tmp, expert_layout="per_expert")
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        return final
+        return final, model
 
     def _label(self, server: VLLMServer, version: int) -> None:
         server.call("/update_weight_version", {"new_version": str(version)}, timeout=CONTROL_TIMEOUT_S)
@@ -167,7 +170,7 @@ class VLLMEngine:
     def sync(self, policy: GLMModel, version: int) -> None:
         """Serve `policy` as `version` on every server (pause, reload, relabel, resume)."""
         t0 = time.perf_counter()
-        new = self._export(policy, version)
+        new, served = self._export(policy, version)
         for s in self.servers:
             self._ensure(s)
             s.call(f"/pause?mode={self.cfg.pause_mode}", timeout=CONTROL_TIMEOUT_S)
@@ -182,6 +185,7 @@ class VLLMEngine:
         old, self.weights_dir, self.version = self.weights_dir, new, version
         if old != new:
             shutil.rmtree(old, ignore_errors=True)
+        self.check_parity(served)
         self.update_seconds = time.perf_counter() - t0
 
     # ------------------------------------------------------------ sampling
@@ -262,12 +266,37 @@ class VLLMEngine:
             self._label(server, self.version)
 
     # ------------------------------------------------------------ parity
-    def server_logprobs(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+    def check_parity(self, served: GLMModel) -> None:
+        """Every server's log-probs of a fixed probe sequence against `served`'s own forward (the
+        weights it was given): an engine that computes something else stops the stage here, before
+        RL trains on its samples. The gap is kept in `metrics()`."""
+        if self.cfg.max_parity_gap is None:
+            return
+        vocab = served.config.vocab_size
+        g = torch.Generator().manual_seed(1234)
+        probe = torch.randint(0, vocab, (min(48, self.cfg.max_model_len - 1),), generator=g).tolist()
+        with torch.no_grad():
+            logp = served(torch.tensor([probe])).logits[0].float().log_softmax(-1)
+        ours = [float(logp[i, probe[i + 1]]) for i in range(len(probe) - 1)]
+        worst = 0.0
+        for i, server in enumerate(self.servers):
+            theirs = self.server_logprobs([(probe[:1], probe[1:])], server=server)[0]
+            gap = sum(abs(a - b) for a, b in zip(theirs, ours)) / len(ours)
+            worst = max(worst, gap)
+            if gap > self.cfg.max_parity_gap:
+                raise EngineFailed(
+                    f"vLLM server {server.url} computes other log-probs than the trainer on the same weights: mean "
+                    f"|delta log p| {gap:.3f} over a {len(probe)}-token probe (max_parity_gap "
+                    f"{self.cfg.max_parity_gap}); first positions: {[round(a - b, 3) for a, b in zip(theirs, ours)][:8]}")
+        self.parity_gap = worst
+
+    def server_logprobs(self, sequences: list[tuple[list[int], list[int]]], server: VLLMServer | None = None
+                        ) -> list[list[float]]:
         """vLLM's log-probs of given responses (prompt, response) at temperature 1, from a prefill
         (prompt_logprobs): the engine's side of a parity check on fixed tokens."""
         out = []
         for prompt, response in sequences:
-            server = self.servers[int(self.ring.owner(f"parity/{len(out)}"))]
+            server = server or self.servers[int(self.ring.owner(f"parity/{len(out)}"))]
             res = server.call("/inference/v1/generate", {
                 "token_ids": prompt + response, "model": SERVED_NAME,
                 "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0, "detokenize": False}})

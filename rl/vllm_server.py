@@ -66,6 +66,9 @@ class VLLMConfig(BaseModel):
     pause_mode: Literal["wait", "abort", "keep"] = Field("wait", description="in-flight requests at a weight "
                                                          "update: finish them, abort them, or freeze them")
     restarts: int = Field(2, ge=0, description="times a dead server is restarted before the stage fails")
+    max_parity_gap: Optional[float] = Field(0.1, gt=0, description=(
+        "after every start and weight update, the server's log-probs of a probe sequence are compared with the "
+        "trainer's forward on the same weights; a mean |delta log p| above this stops the stage (null: off)"))
 
 
 class EngineFailed(RuntimeError):

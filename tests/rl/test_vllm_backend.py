@@ -138,7 +138,7 @@ class _CannedServer:
     """Answers /inference/v1/generate like vLLM does, from a script."""
 
     def __init__(self, reply):
-        self.reply, self.calls, self.owned = reply, [], True
+        self.reply, self.calls, self.owned, self.url = reply, [], True, "canned"
 
     def call(self, path, body=None, method="POST", timeout=None):
         self.calls.append(body)
@@ -351,3 +351,26 @@ def test_rl_agentic_workers_roll_out_on_the_stages_vllm_server(tmp_path):
     assert not _servers_of(tmp_path / "wd")
     with pytest.raises(ValueError, match="trains on one rank"):
         RLAgenticConfig(rollout={"backend": "vllm"}, parallel={"launch": {"nproc_per_node": 2}})
+
+
+def test_a_server_that_computes_other_log_probs_stops_the_stage():
+    """The probe after every start and update: the server's prefill log-probs against the trainer's
+    forward on the weights it was given (here a server that answers -1 for every token)."""
+    model = GLMModel(tiny().replace(vocab_size=64, num_layers=2))
+
+    def reply(body):
+        n = len(body["token_ids"])
+        return {"prompt_logprobs": [None] + [{str(t): {"logprob": -1.0}} for t in body["token_ids"][1:]],
+                "choices": [{"token_ids": [1], "logprobs": None}]} if n else {}
+    engine = _engine_over([_CannedServer(reply)])
+    with pytest.raises(EngineFailed, match="computes other log-probs than the trainer"):
+        engine.check_parity(model)
+
+    def honest(body):
+        ids = body["token_ids"]
+        with torch.no_grad():
+            lp = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+        return {"prompt_logprobs": [None] + [{str(t): {"logprob": float(lp[i, t])}} for i, t in enumerate(ids[1:])]}
+    engine = _engine_over([_CannedServer(honest)])
+    engine.check_parity(model)
+    assert engine.parity_gap < 1e-5
