@@ -114,6 +114,7 @@ class VLLMEngine:
             with ThreadPoolExecutor(len(self.servers)) as pool:
                 list(pool.map(lambda s: s.start(), self.servers))
             for s in self.servers:
+                self._prepare(s)
                 self._label(s, 0)
             self.check_parity(served)
         except BaseException:
@@ -166,6 +167,10 @@ class VLLMEngine:
 
     def _label(self, server: VLLMServer, version: int) -> None:
         server.call("/update_weight_version", {"new_version": str(version)}, timeout=CONTROL_TIMEOUT_S)
+
+    def _prepare(self, server: VLLMServer) -> None:
+        """The worker extension's fixes on a freshly started server (rl/vllm_ext)."""
+        server.call("/collective_rpc", {"method": "glmforge_prepare"}, timeout=CONTROL_TIMEOUT_S)
 
     def sync(self, policy: GLMModel, version: int) -> None:
         """Serve `policy` as `version` on every server (pause, reload, relabel, resume)."""
@@ -263,6 +268,7 @@ class VLLMEngine:
             server.stop()
             server.model_dir = self.weights_dir
             server.start()
+            self._prepare(server)
             self._label(server, self.version)
 
     # ------------------------------------------------------------ parity
