@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -22,20 +23,27 @@ def api_url(api: str | None = None) -> str:
     return (api or os.environ.get("PREFECT_API_URL") or DEFAULT_API).rstrip("/")
 
 
+# a busy Prefect server answers 503 without acting on the request (seen under load in the tests)
+RETRY_STATUSES, RETRY_DELAYS_S = (503,), (0.5, 1.0, 2.0, 4.0)
+
+
 def _call(api: str, method: str, path: str, body: Any = None) -> Any:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(f"{api}{path}", data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            raw = r.read()
-    except urllib.error.HTTPError as e:
-        detail = e.read().decode(errors="replace")[:500]
-        raise ScheduleError(f"{method} {api}{path}: HTTP {e.code}: {detail}") from None
-    except OSError as e:
-        raise ScheduleError(
-            f"no Prefect server at {api} ({e}); start one with `glmforge serve` or set PREFECT_API_URL"
-        ) from None
-    return json.loads(raw) if raw else None
+    for delay in (*RETRY_DELAYS_S, None):
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                raw = r.read()
+            return json.loads(raw) if raw else None
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:500]
+            if e.code not in RETRY_STATUSES or delay is None:
+                raise ScheduleError(f"{method} {api}{path}: HTTP {e.code}: {detail}") from None
+        except OSError as e:
+            raise ScheduleError(
+                f"no Prefect server at {api} ({e}); start one with `glmforge serve` or set PREFECT_API_URL"
+            ) from None
+        time.sleep(delay)
 
 
 def deployment(api: str, name: str) -> dict[str, Any]:
