@@ -107,3 +107,25 @@ def test_export_rejects_non_dsa_layers(tmp_path):
     cfg = preset("tiny", attention_pattern=("full", "swa", "full", "swa"))
     with pytest.raises(ValueError, match="only DSA layers"):
         save_pretrained(GLMModel(cfg), tmp_path)
+
+
+def test_dense_mla_export_matches_transformers_deepseek_v3(tmp_path, quiet_transformers):
+    """The checkpoint the vLLM backend serves (rl.vllm_engine): transformers' DeepseekV3 on it
+    computes our forward, on a model whose attention depends on position (rope parts scaled up, a
+    non-zero routing bias), the case random weights hide."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from model.hf import save_dense_mla
+    torch.manual_seed(0)
+    ours = GLMModel(preset("tiny", num_layers=2, dense_attention=True, mtp_depth=1)).eval()
+    c = ours.config
+    with torch.no_grad():
+        for layer in ours.layers:
+            layer.self_attn.kv_a_proj_with_mqa.weight[c.kv_lora_rank:].mul_(20)
+            layer.self_attn.q_b_proj.weight.view(c.num_heads, c.qk_head_dim, -1)[:, c.qk_nope_head_dim:].mul_(20)
+        ours.layers[1].mlp.gate.e_score_correction_bias.uniform_(-0.5, 0.5)
+    save_dense_mla(ours, tmp_path)
+    hf = DeepseekV3ForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    x = torch.randint(0, c.vocab_size, (2, 48))
+    with torch.no_grad():
+        assert (ours(x).logits - hf(x).logits).abs().max().item() < TOL * 10
