@@ -306,7 +306,7 @@ def _train(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workdir, rank
 
     pool = None
     if not cfg.synchronous and lead:
-        pool = WorkerPool(cfg.workers, worker_config(cfg, inputs, seed, engine if on_vllm else None), weights_dir,
+        pool = WorkerPool(cfg.workers, worker_config(cfg, inputs, seed, [s.url for s in engine.servers] if on_vllm else None), weights_dir,
                           heartbeat_s=cfg.heartbeat_s, dead_after_s=cfg.dead_after_s)
         pool.start()
 
@@ -414,11 +414,11 @@ def _train(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workdir, rank
     return result
 
 
-def worker_config(cfg: RLAgenticConfig, inputs: dict[str, Path], seed: int, servers=None) -> dict[str, Any]:
-    """What a rollout worker needs; servers: the stage's vLLM engine, whose servers the workers
-    call instead of holding weights of their own."""
-    vllm = None if servers is None else {"urls": [s.url for s in servers.servers],
-                                         "config": cfg.rollout.vllm.model_dump()}
+def worker_config(cfg: RLAgenticConfig, inputs: dict[str, Path], seed: int,
+                  vllm_urls: list[str] | None = None) -> dict[str, Any]:
+    """What a rollout worker needs; vllm_urls: the stage's vLLM servers, which the workers call
+    instead of holding weights of their own."""
+    vllm = None if vllm_urls is None else {"urls": vllm_urls, "config": cfg.rollout.vllm.model_dump()}
     return {"tokenizer": str(inputs["tokenize"]), "seed": seed, "max_turns": cfg.max_turns,
             "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens},
             "int4": cfg.rollout_int4.model_dump() if cfg.rollout_int4 else None, "batch_size": cfg.rollout_batch,

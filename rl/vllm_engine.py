@@ -32,7 +32,6 @@ import logging
 import shutil
 import threading
 import time
-import urllib.error
 from concurrent.futures import ThreadPoolExecutor
 from http.client import HTTPException
 from pathlib import Path
@@ -54,7 +53,8 @@ CPU_MLA_LATENT = 576
 # vLLM's CPU MoE kernel pads the expert width to a multiple of this; its weight reload then fails
 # (it copies the unpadded checkpoint tensors into the padded storage), so only unpadded widths work
 CPU_MOE_ALIGN = 32
-_NETWORK_ERRORS = (urllib.error.URLError, ConnectionError, HTTPException, TimeoutError, OSError)
+# a server that is gone (refused, reset, timed out); its HTTP errors come back as EngineFailed
+_NETWORK_ERRORS = (OSError, HTTPException)
 
 
 def servable_copy(policy: GLMModel, int4: QATConfig | None) -> GLMModel:
@@ -84,8 +84,6 @@ def check_servable(model: GLMModel, cfg: VLLMConfig, on_gpu: bool) -> None:
     if cfg.checkpoint == "glm_moe_dsa" and not on_gpu:
         raise ValueError("rollout.vllm.checkpoint=glm_moe_dsa needs vLLM's sparse-attention backend, which vLLM "
                          "has on GPUs only; on CPU use checkpoint=dense_mla")
-    if cfg.max_model_len < 2:
-        raise ValueError("rollout.vllm.max_model_len is too small")
 
 
 class VLLMEngine:
@@ -105,14 +103,13 @@ class VLLMEngine:
         self._lock = threading.Lock()
         self.weights_dir, served = self._export(policy, 0)
         urls = cfg.urls or [None] * cfg.replicas
-        self.servers = [VLLMServer(cfg, self.weights_dir, self.root / f"server-{i}.log", url)
-                        for i, url in enumerate(urls)]
-        self.ring = HashRing()
-        for i in range(len(self.servers)):
-            self.ring.add(str(i))
+        self._route([VLLMServer(cfg, self.weights_dir, self.root / f"server-{i}.log", url)
+                     for i, url in enumerate(urls)])
         try:
+            for s in self.servers:              # here, not in the pool: the stage's logging is per thread
+                s.launch()
             with ThreadPoolExecutor(len(self.servers)) as pool:
-                list(pool.map(lambda s: s.start(), self.servers))
+                list(pool.map(lambda s: s.wait_healthy(), self.servers))
             for s in self.servers:
                 self._prepare(s)
                 self._label(s, 0)
@@ -129,11 +126,14 @@ class VLLMEngine:
         engine.tokenizer, engine.stop_ids, engine.cfg, engine.int4 = tokenizer, list(stop_ids), cfg, None
         engine.version, engine.restarts, engine.update_seconds, engine.parity_gap = 0, 0, 0.0, 0.0
         engine._lock = threading.Lock()
-        engine.servers = [VLLMServer(cfg, Path("."), Path("/dev/null"), url) for url in urls]
-        engine.ring = HashRing()
-        for i in range(len(urls)):
-            engine.ring.add(str(i))
+        engine._route([VLLMServer(cfg, Path("."), Path("/dev/null"), url) for url in urls])
         return engine
+
+    def _route(self, servers: list[VLLMServer]) -> None:
+        """Requests go to `servers` by a consistent hash of their affinity key."""
+        self.servers, self.ring = servers, HashRing()
+        for i in range(len(servers)):
+            self.ring.add(str(i))
 
     # ------------------------------------------------------------ life
     def close(self) -> None:
@@ -239,7 +239,7 @@ class VLLMEngine:
                 out = server.call("/inference/v1/generate", body)
                 break
             except _NETWORK_ERRORS as e:
-                if isinstance(e, EngineFailed) or attempt:
+                if attempt:
                     raise
                 self._ensure(server, reason=repr(e))
         choice = out["choices"][0]
@@ -285,7 +285,7 @@ class VLLMEngine:
             logp = served(torch.tensor([probe])).logits[0].float().log_softmax(-1)
         ours = [float(logp[i, probe[i + 1]]) for i in range(len(probe) - 1)]
         worst = 0.0
-        for i, server in enumerate(self.servers):
+        for server in self.servers:
             theirs = self.server_logprobs([(probe[:1], probe[1:])], server=server)[0]
             gap = sum(abs(a - b) for a, b in zip(theirs, ours)) / len(ours)
             worst = max(worst, gap)
@@ -302,11 +302,10 @@ class VLLMEngine:
         (prompt_logprobs): the engine's side of a parity check on fixed tokens."""
         out = []
         for prompt, response in sequences:
-            server = server or self.servers[int(self.ring.owner(f"parity/{len(out)}"))]
-            res = server.call("/inference/v1/generate", {
+            to = server or self.servers[int(self.ring.owner(f"parity/{len(out)}"))]
+            res = to.call("/inference/v1/generate", {
                 "token_ids": prompt + response, "model": SERVED_NAME,
                 "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0, "detokenize": False}})
             rows = res["prompt_logprobs"][len(prompt):]
-            out.append([row[str(t)]["logprob"] if str(t) in row else row[t]["logprob"]
-                        for row, t in zip(rows, response)])
+            out.append([row[str(t)]["logprob"] for row, t in zip(rows, response)])   # JSON keys: strings
         return out

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from glmforge.shutdown import stop_process_group
+from training.launch import free_port
 
 log = logging.getLogger("glmforge")
 
@@ -75,12 +75,6 @@ class EngineFailed(RuntimeError):
     """A vLLM server did not start, died, or refused a request; the message names the log."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _server_env(cfg: VLLMConfig) -> dict[str, str]:
     keep = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "USER")
     env = {k: os.environ[k] for k in keep if k in os.environ}
@@ -121,13 +115,22 @@ class VLLMServer:
         return cmd + (["--enforce-eager"] if c.enforce_eager else []) + list(c.extra_args)
 
     def start(self) -> None:
-        if not self.owned:
+        """launch(), then wait_healthy(); a server that does not come up is stopped."""
+        self.launch()
+        try:
             self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def launch(self) -> None:
+        """Start the process (ours) without waiting for it; a URL's server needs nothing."""
+        if not self.owned:
             return
         if not Path(self.cfg.python).exists():
             raise EngineFailed(f"vLLM's interpreter {self.cfg.python} does not exist: run `make vllm-setup` "
                                "(or set rollout.vllm.python)")
-        port = _free_port()
+        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.starts += 1
@@ -138,11 +141,6 @@ class VLLMServer:
             self.proc = subprocess.Popen(guarded, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=_server_env(self.cfg), start_new_session=True)
         log.info("vLLM server pid %d on %s (log %s)", self.proc.pid, self.url, self.log_path)
-        try:
-            self.wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
 
     def wait_healthy(self) -> None:
         deadline = time.monotonic() + self.cfg.startup_timeout_s

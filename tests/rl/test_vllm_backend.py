@@ -20,7 +20,7 @@ from safetensors import safe_open
 from model.config import tiny
 from model.hf import from_hf_state_dict, save_dense_mla
 from model.model import GLMModel
-from rl import vllm_engine, vllm_server
+from rl import vllm_server
 from rl.rollout import RolloutConfig, RolloutEngine, SamplingParams, open_engine
 from rl.sample import Sample, Status
 from rl.vllm_engine import VLLMEngine, check_servable
@@ -334,9 +334,6 @@ def test_rl_reasoning_on_vllm_then_kill_9_leaves_no_server(tmp_path):
         time.sleep(0.5)
     assert not _servers_of(tmp_path / "killed")
 
-
-def test_vllm_engine_module_names_the_cpu_latent():
-    assert vllm_engine.CPU_MLA_LATENT == 512 + 64
 
 
 @pytest.mark.vllm
