@@ -192,7 +192,8 @@ class PretrainConfig(TrainConfig):
 class MixConfig(BaseModel):
     """Sampling weights of the long-context mix: weight = quality weight x source weight
     (default_weight when its source is not listed) x long_weight when the document has at least
-    long_chars characters. Under max_chars the heaviest documents are kept first; each kept
+    long_chars characters. Under max_chars the heaviest documents are kept first (the last one cut
+at a line end to fit); each kept
     document is repeated min(weight, max_repeats) times (floor, plus one more with probability
     frac)."""
 
@@ -203,8 +204,8 @@ class MixConfig(BaseModel):
     long_chars: int = Field(8000, ge=1)
     long_weight: float = Field(2.0, ge=0)
     min_chars: int = Field(0, ge=0, description="documents shorter than this are left out")
-    max_chars: int | None = Field(None, ge=1, description="cap on the characters packed (a seeded "
-                                  "sample of documents, before repetition); None = all")
+    max_chars: int | None = Field(None, ge=1, description="cap on the characters packed (the "
+                                  "heaviest documents first, before repetition); None = all")
     max_repeats: float = Field(4.0, ge=1, description="a document is repeated at most this many times")
     repo_level: bool = Field(True, description="concatenate a repository's files into one document")
 

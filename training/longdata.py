@@ -4,8 +4,10 @@ The mix favours what long contexts are for: repository-level code (a repository'
 concatenated, data_processing.packing.repo_documents), issue-PR threads and long documents.
 Each document gets a sampling weight = its quality weight (from the quality stage, 1 if none)
 x the weight of its `source` (mix.sources, else mix.default_weight) x mix.long_weight when it
-has at least mix.long_chars characters. Under mix.max_chars the heaviest documents are kept;
-data_processing.packing.pack then repeats each document min(weight, mix.max_repeats) times,
+has at least mix.long_chars characters. Under mix.max_chars the heaviest documents are kept,
+the last one cut at a line end to fit (a repository-level document can be the whole corpus:
+tiny's stdlib is one 10M-character repository, which took 20 s a phase to tokenize for a
+phase that trains on a few hundred thousand tokens); data_processing.packing.pack then repeats each document min(weight, mix.max_repeats) times,
 shuffles and packs seq_len windows (with a held-out split, never up-sampled).
 
 `extra` documents (synthetic retrieval documents from evals.long_context, see pack_stage_data)
@@ -66,12 +68,18 @@ def pack_long(docs_dir: Path, tokenizer_dir: Path, out: Path, seq_len: int, mix:
     by_source: dict[str, float] = {}
     chars = 0
     for d, w in weighted:
-        if mix.max_chars is not None and chars >= mix.max_chars:
-            break
-        chars += len(d.text)
+        text = d.text
+        if mix.max_chars is not None:
+            left = mix.max_chars - chars
+            if left <= 0:
+                break
+            if len(text) > left:
+                cut = text.rfind("\n", 0, left) + 1
+                text, chars = text[: cut or left], mix.max_chars   # the budget is spent
+        chars += len(text)
         repeats = min(w, mix.max_repeats)
-        kept.append(Document(d.id, d.text, d.source, {**d.metadata, "quality": {"weight": repeats}}))
-        by_source[d.source] = by_source.get(d.source, 0.0) + repeats * len(d.text)
+        kept.append(Document(d.id, text, d.source, {**d.metadata, "quality": {"weight": repeats}}))
+        by_source[d.source] = by_source.get(d.source, 0.0) + repeats * len(text)
     for d in extra:   # synthetic retrieval documents: whole, or the question loses its needle
         kept.append(Document(d.id, d.text, d.source, {**d.metadata, "quality": {"weight": 1.0}, WHOLE: True}))
         by_source[d.source] = by_source.get(d.source, 0.0) + len(d.text)

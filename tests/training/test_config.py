@@ -169,6 +169,23 @@ def test_long_context_packing_keeps_the_favoured_sources_under_a_cap(packed, tmp
     assert again == meta                                             # a retry reuses the packed data
 
 
+def test_long_context_cap_cuts_a_document_larger_than_the_whole_budget(packed, tmp_path):
+    """A repository-level document can be the whole corpus: the cap holds, cut at a line end."""
+    from data_processing.document import ShardWriter
+    from training.longdata import pack_long
+
+    lines = [f"line {i}: " + "word " * (i % 13) for i in range(20_000)]
+    w = ShardWriter(tmp_path / "docs", 100)
+    threads = [Document(f"pr-{i}", f"thread {i} " * 200, "issue-pr") for i in range(4)]   # ~2K chars each
+    w.write_all([Document("repo:big", "\n".join(lines), "stdlib"), *threads])
+    w.close()
+    mix = MixConfig(sources={"stdlib": 1.0, "issue-pr": 3.0}, long_weight=1.0, max_chars=30_000, max_repeats=1.0)
+    meta = pack_long(tmp_path / "docs", packed["tokenize"], tmp_path / "out", 128, mix, 0.2, seed=3)
+    assert meta["documents_in_mix"] == 5                      # the threads, then the big one cut to fit
+    tokens = sum(s["tokens"] for s in meta["splits"].values())
+    assert 30_000 / 8 < tokens < 30_000 + 10, tokens        # not the 300K-character document
+
+
 def test_failure_messages_name_the_rank():
     from collections import deque
 
