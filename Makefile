@@ -46,12 +46,18 @@ effects: setup
 	$(VENV)/bin/glmforge run --preset small --until sft
 	$(VENV)/bin/glmforge status
 
+# two pytest-xdist workers: the end-to-end tests spend much of their time waiting on servers and
+# processes they started; a module, and the tests on the session's tiny run, stay on one worker
+# (tests/conftest.py). TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+
 test: setup
-	$(PY) -m pytest -q -ra --durations=25
+	$(PY) -m pytest -q -ra $(XDIST) --durations=25
 
 # the inner loop: unit tests only (tests/conftest.py END_TO_END lists what it leaves out)
 test-fast: setup
-	$(PY) -m pytest -q -ra -m "not slow" --durations=10
+	$(PY) -m pytest -q -ra $(XDIST) -m "not slow" --durations=10
 
 # the vLLM backend against real vLLM servers (opt-in: minutes of server start-ups; CI runs it)
 test-vllm: setup vllm-setup

@@ -208,10 +208,18 @@ END_TO_END = (
 )
 
 
+# Under pytest-xdist (`make test` runs 2 workers, --dist loadgroup) a group runs on one worker:
+# every test of a module together (its module-scoped fixtures are built once), and every test on
+# the session's tiny run (tests/flows/conftest: tiny_run, served) together, so it is built once.
+SHARED_RUN_FIXTURES = ("tiny_run", "served")
+
+
 def pytest_collection_modifyitems(config, items):
     vllm_off = pytest.mark.skip(reason="opt-in: real vLLM servers (make test-vllm sets GLMFORGE_TEST_VLLM=1)")
     for item in items:
         path = Path(str(item.fspath)).relative_to(REPO).as_posix()
+        shared = any(f in item.fixturenames for f in SHARED_RUN_FIXTURES)
+        item.add_marker(pytest.mark.xdist_group("tiny-run" if shared else path))
         if path.startswith(END_TO_END):
             item.add_marker(pytest.mark.slow)
         if "vllm" in item.keywords and os.environ.get("GLMFORGE_TEST_VLLM") != "1":

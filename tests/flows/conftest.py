@@ -1,15 +1,24 @@
-"""One tiny pipeline run per test session, shared by the resume and deployment tests.
+"""One tiny pipeline run per test session, shared by the resume and deployment tests, and one
+`glmforge serve` (server, deployments, process worker) over a copy of it, shared by every test
+that runs deployments through a worker.
 
 FAST cuts the tiny preset to a few hundred documents and one or two optimizer steps per
 training stage on one rank: every stage still runs its real code and publishes a real artifact,
 in a few minutes on 2 CPU cores (most of it is starting the training ranks, once per stage)."""
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[2]
 
 _CONTEXT = ["max_steps=1", "eval_sequences=1", "launch.nproc_per_node=1", "seq_len=256", "retrieval.docs_per_task=0",
             "retrieval.key_value_docs=0"]
@@ -75,3 +84,53 @@ def tiny_run(tmp_path_factory) -> TinyRun:
     print(f"\ntiny_run: {len(results)} stages in {took:.0f} s")
     work_keys = {s.name: runner.work_key(s, {p: results[p].manifest for p in s.parents}) for s in STAGES}
     return TinyRun(home, record.id, {n: r.key for n, r in results.items()}, work_keys, took)
+
+
+@dataclass
+class Served:
+    base: str             # the UI, http://127.0.0.1:PORT
+    api: str              # PREFECT_API_URL
+    env: dict[str, str]   # for `prefect` / `glmforge` commands against it
+    home: Path            # GLMFORGE_HOME of its worker: a copy of tiny_run's
+    log: Path             # serve's output: server, deployments, worker and flow runs
+    pool: str
+    pid: int              # the `glmforge serve` process (the worker and its flow runs are below it)
+
+    def logs(self, n: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+
+@pytest.fixture(scope="session")
+def served(tiny_run, tmp_path_factory) -> Served:
+    """`glmforge serve --pool ops-pool` as a user starts it, its worker's GLMFORGE_HOME a copy of
+    the tiny run's home (every stage published there: a pipeline deployment is cached, and a
+    stage with parents finds them). Started once: a server, ~20 deployments and a worker take
+    about a minute on 2 cores. Short scheduler and worker polling for the schedule test."""
+    from tests.conftest import free_port
+
+    root = tmp_path_factory.mktemp("served")
+    home = root / "home"
+    shutil.copytree(tiny_run.home, home, symlinks=True)
+    (root / "prefect-home").mkdir()
+    port, pool = free_port(), "ops-pool"
+    env = {**os.environ, "PREFECT_HOME": str(root / "prefect-home"), "GLMFORGE_HOME": str(home),
+           "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    log = root / "serve.log"
+    proc = subprocess.Popen([sys.executable, "-m", "glmforge.cli", "serve", "--port", str(port), "--pool", pool],
+                            env=env, cwd=REPO, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while "Prefect UI:" not in log.read_text(errors="replace"):  # printed once the worker is started
+            assert proc.poll() is None, f"glmforge serve exited {proc.returncode}:\n{log.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, f"glmforge serve not ready after 300 s:\n{log.read_text()[-4000:]}"
+            time.sleep(1)
+        yield Served(base, f"{base}/api", {**env, "PREFECT_API_URL": f"{base}/api"}, home, log, pool, proc.pid)
+    finally:
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: serve stops its worker and server itself
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

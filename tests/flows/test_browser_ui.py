@@ -1,12 +1,12 @@
-"""The Prefect UI in a real browser: `glmforge serve`, the pipeline and one stage deployment run by
-its worker, then Debian's chromium (headless, driven over the DevTools protocol) loads the pages a
-user looks at and reads what they show.
+"""The Prefect UI in a real browser: `glmforge serve` (the session's, tests/flows/conftest.served),
+the pipeline and one stage deployment run by its worker, then Debian's chromium (headless,
+driven over the DevTools protocol) loads the pages a user looks at and reads what they show.
 
-Both tests start a Prefect server and a browser, so both are `slow` (still part of `make test`).
-The fast one runs the pipeline `until` pretrain on a 40-document input; the full one runs the
-`tiny` preset cut to a few steps per stage (tests/flows/conftest.FAST) through sft (set GLMFORGE_UI_TEST_HOME to a published
-tiny GLMFORGE_HOME, e.g. the one `make demo` made, to start from a copy of it: every stage is then
-cached, which still creates each task run with its artifacts)."""
+Both tests are `slow` (still part of `make test`). The first runs the pipeline `until` pretrain
+on a 40-document input through the worker; the second runs the `tiny` preset cut to a few steps
+per stage (tests/flows/conftest.FAST) through sft, which the served home already holds (a copy of
+the session's tiny run): every stage is then cached, which still creates each task run with its
+artifacts."""
 from __future__ import annotations
 
 import base64
@@ -19,13 +19,10 @@ import subprocess
 import sys
 import time
 import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import yaml
-
-from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -130,50 +127,18 @@ class Chromium:
             self.proc.wait()
 
 
-@contextmanager
-def _serve(tmp_path: Path, home: Path):
-    """`glmforge serve` as a user starts it; yields (UI base URL, env for `prefect` commands)."""
-    port = free_port()
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(tmp_path / "prefect-home"),
-        "GLMFORGE_HOME": str(home),
-        "PREFECT_WORKER_QUERY_SECONDS": "2",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    }
-    (tmp_path / "prefect-home").mkdir(exist_ok=True)
-    log = tmp_path / "serve.log"
-    proc = subprocess.Popen([sys.executable, "-m", "glmforge.cli", "serve", "--port", str(port)], env=env, cwd=REPO,
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while "Prefect UI:" not in log.read_text(errors="replace"):  # printed once the worker is started
-            assert proc.poll() is None, f"glmforge serve exited {proc.returncode}:\n{log.read_text()[-4000:]}"
-            assert time.monotonic() < deadline, f"glmforge serve not ready after 300 s:\n{log.read_text()[-4000:]}"
-            time.sleep(1)
-        yield base, {**env, "PREFECT_API_URL": f"{base}/api"}, log
-    finally:
-        proc.send_signal(signal.SIGINT)  # Ctrl-C: serve stops its worker and server itself
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _run_deployment(env: dict, log: Path, name: str, params: dict, timeout: int) -> str:
+def _run_deployment(served, name: str, params: dict, timeout: int) -> str:
     """`prefect deployment run NAME --watch` as a user types it; returns the flow run id."""
     run = subprocess.run([PREFECT, "deployment", "run", name, "--params", json.dumps(params), "--watch",
-                          "--watch-timeout", str(timeout)], env=env, cwd=REPO, capture_output=True, text=True,
+                          "--watch-timeout", str(timeout)], env=served.env, cwd=REPO, capture_output=True, text=True,
                          timeout=timeout + 120)
-    detail = f"{run.stdout[-3000:]}{run.stderr[-3000:]}\n--- serve.log ---\n{log.read_text(errors='replace')[-4000:]}"
+    detail = f"{run.stdout[-3000:]}{run.stderr[-3000:]}\n--- serve.log ---\n{served.logs()}"
     assert run.returncode == 0 and "Completed" in run.stdout, detail
     return re.search(r"UUID: ([0-9a-f-]{36})", run.stdout).group(1)
 
 
-def _api(env: dict, path: str, body: dict) -> list[dict]:
-    req = urllib.request.Request(env["PREFECT_API_URL"] + path, data=json.dumps(body).encode(),
+def _api(api: str, path: str, body: dict) -> list[dict]:
+    req = urllib.request.Request(api + path, data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as r:
         return json.load(r)
@@ -189,7 +154,7 @@ def _task_rows(text: str) -> dict[str, str]:
             if (m := re.fullmatch(r"(.+)-[0-9a-f]{3}", ln)) and m.group(1) in registry}
 
 
-def _check_flow_run(chrome: Chromium, base: str, env: dict, flow_run_id: str, stages: list[str],
+def _check_flow_run(chrome: Chromium, base: str, api: str, flow_run_id: str, stages: list[str],
                     images: set[str], shots: Path, tag: str, states=("Completed", "Cached")) -> None:
     """The flow-run page shows one finished task per stage, each stage's metrics table and images."""
     chrome.goto(f"{base}/runs/flow-run/{flow_run_id}")
@@ -209,7 +174,7 @@ def _check_flow_run(chrome: Chromium, base: str, env: dict, flow_run_id: str, st
     chrome.screenshot(shots / f"{tag}-artifacts.png")
 
     # Each artifact's own page: a table of the stage's metrics, or the PNG itself, decoded by the browser.
-    artifacts = {a["key"]: a for a in _api(env, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})}
+    artifacts = {a["key"]: a for a in _api(api, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})}
     for stage in stages:
         art = artifacts[f"{stage}-metrics"]
         table = art["data"] if isinstance(art["data"], list) else json.loads(art["data"])
@@ -235,17 +200,18 @@ def _check_deployments(chrome: Chromium, base: str, shots: Path) -> None:
     chrome.screenshot(shots / "deployments.png")
 
 
-def _check_ui(tmp_path: Path, base: str, env: dict, log: Path, pipeline_run: str, stages: list[str],
-              images: set[str], stage_params: dict) -> None:
+def _check_ui(tmp_path: Path, served, pipeline_run: str, stages: list[str], images: set[str],
+              stage_params: dict) -> None:
     """Run the stage deployment after the pipeline (same store), then check every page in chromium."""
-    stage_run = _run_deployment(env, log, f"glmforge-stage/{STAGE_DEPLOYMENT}", stage_params, 600)
+    base = served.base
+    stage_run = _run_deployment(served, f"glmforge-stage/{STAGE_DEPLOYMENT}", stage_params, 600)
     shots = tmp_path / "screenshots"
     shots.mkdir()
     chrome = Chromium(tmp_path / "chromium-profile")
     try:
-        _check_flow_run(chrome, base, env, pipeline_run, stages, images, shots, "pipeline")
+        _check_flow_run(chrome, base, served.api, pipeline_run, stages, images, shots, "pipeline")
         # The pipeline published this stage in the same store: its deployment reports it cached.
-        _check_flow_run(chrome, base, env, stage_run, [STAGE_DEPLOYMENT.removeprefix("stage-")], set(), shots, "stage",
+        _check_flow_run(chrome, base, served.api, stage_run, [STAGE_DEPLOYMENT.removeprefix("stage-")], set(), shots, "stage",
                         states=("Cached",))
         _check_deployments(chrome, base, shots)
     finally:
@@ -254,9 +220,9 @@ def _check_ui(tmp_path: Path, base: str, env: dict, log: Path, pipeline_run: str
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000, png
 
 
-@pytest.mark.timeout(1200)  # ~4 min here; a Prefect server on a busy 2-core machine can take longer
-def test_ui_shows_pipeline_tasks_metrics_and_images(tmp_path):
-    """Fast variant: a 40-document input, the pipeline until pretrain (4 steps): 10 stage tasks."""
+@pytest.mark.timeout(1200)
+def test_ui_shows_pipeline_tasks_metrics_and_images(served, tmp_path):
+    """A 40-document input, the pipeline until pretrain (4 steps) run by the worker: 10 stage tasks."""
     from glmforge.pipeline import stages_until
 
     _chromium()
@@ -268,29 +234,24 @@ def test_ui_shows_pipeline_tasks_metrics_and_images(tmp_path):
     config = tmp_path / "pipeline.yaml"
     config.write_text(yaml.safe_dump(cfg))
     stages = [s.name for s in stages_until("pretrain")]
-    with _serve(tmp_path, tmp_path / "home") as (base, env, log):
-        run = _run_deployment(env, log, "glmforge-pipeline/end-to-end",
-                              {"config_file": str(config), "preset": None, "until": "pretrain"}, 900)
-        _check_ui(tmp_path, base, env, log, run, stages, {"quality-quality-histogram", "pretrain-loss"},
-                  {"config_file": str(config), "preset": None})
+    run = _run_deployment(served, "glmforge-pipeline/end-to-end",
+                          {"config_file": str(config), "preset": None, "until": "pretrain"}, 900)
+    _check_ui(tmp_path, served, run, stages, {"quality-quality-histogram", "pretrain-loss"},
+              {"config_file": str(config), "preset": None})
 
 
-@pytest.mark.timeout(2400)  # every stage on one rank with 1-2 steps (tests/flows/conftest.FAST): minutes
-def test_ui_shows_every_stage_of_the_tiny_pipeline(tmp_path):
-    """Full variant: the 16 stages through sft (the `tiny` preset cut to a few steps each, FAST),
-    one task each with its metrics table, the loss curves of the training stages. (Past sft the
+@pytest.mark.timeout(1200)
+def test_ui_shows_every_stage_of_the_tiny_pipeline(served, tmp_path):
+    """The 16 stages through sft of the session's tiny run (FAST), cached in the served home: one
+    task each with its metrics table, the loss curves of the training stages. (Past sft the
     post-training stages add more artifact cards than the Artifacts tab lists on one page.)"""
     from glmforge.pipeline import stages_until
     from tests.flows.conftest import FAST
 
     _chromium()
-    home = tmp_path / "home"
-    if seed := os.environ.get("GLMFORGE_UI_TEST_HOME"):
-        shutil.copytree(seed, home, symlinks=True)  # a copy: the test never writes into the user's store
     stages = [s.name for s in stages_until("sft")]
     assert len(stages) >= 16, stages
-    with _serve(tmp_path, home) as (base, env, log):
-        run = _run_deployment(env, log, "glmforge-pipeline/end-to-end", {"preset": "tiny", "overrides": FAST, "until": "sft"}, 2000)
-        _check_ui(tmp_path, base, env, log, run, stages,
-                  {"quality-quality-histogram"} | {f"{s}-loss" for s in TRAINING},
-                  {"preset": "tiny", "overrides": FAST})
+    run = _run_deployment(served, "glmforge-pipeline/end-to-end", {"preset": "tiny", "overrides": FAST, "until": "sft"},
+                          900)
+    _check_ui(tmp_path, served, run, stages, {"quality-quality-histogram"} | {f"{s}-loss" for s in TRAINING},
+              {"preset": "tiny", "overrides": FAST})

@@ -1,5 +1,6 @@
-"""Per-stage deployments (prefect.yaml's glmforge-stage/stage-*) run by a process worker on a
-local Prefect server, against a store a pipeline run already filled: a stage with parents
+"""Per-stage deployments (prefect.yaml's glmforge-stage/stage-*) run by the process worker of the
+session's `glmforge serve` (tests/flows/conftest.served), against a store a pipeline run already
+filled (a copy of the session's tiny run): a stage with parents
 resumes into its run as cached, a training stage with a changed config trains and publishes,
 and a training stage preempted by SIGTERM is rerun by the automation of
 deployments/automations.yaml and continues from its checkpoint."""
@@ -35,54 +36,45 @@ def _stage(status: dict, name: str) -> dict:
     return next(s for s in status["stages"] if s["name"] == name)
 
 
-def test_stage_deployments_with_parents_run_on_a_process_worker(tiny_run, tmp_path):
-    from glmforge.serve import LocalPrefect
-    from tests.conftest import free_port
-
-    local = LocalPrefect(port=free_port(), home=tmp_path / "prefect-home", log_dir=tmp_path)
-    local.env["GLMFORGE_HOME"] = str(tiny_run.home)
-    local.env["PREFECT_WORKER_QUERY_SECONDS"] = "2"
-    store = str(tiny_run.home / "store")
+def test_stage_deployments_with_parents_run_on_a_process_worker(served, tiny_run):
+    store = str(served.home / "store")
 
     def deployment_run(name: str, params: dict) -> str:
         run = subprocess.run([PREFECT, "deployment", "run", f"glmforge-stage/{name}", "--params", json.dumps(params),
                               "--watch", "--watch-timeout", "900"],
-                             env=local.env, cwd=REPO, capture_output=True, text=True, timeout=1000)
-        assert run.returncode == 0 and "Completed" in run.stdout, \
-            run.stdout[-2000:] + run.stderr[-2000:] + (tmp_path / "worker.log").read_text()[-4000:]
+                             env=served.env, cwd=REPO, capture_output=True, text=True, timeout=1000)
+        assert run.returncode == 0 and "Completed" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:] + served.logs()
         return run.stdout
 
-    with local:
-        # dedup-exact (parents ingest -> quality) resumed into the pipeline's own run: cached
-        deployment_run("stage-dedup-exact", {"run_id": tiny_run.run_id, "store": store})
-        shown = _stage(_status(tiny_run.home, "--run", tiny_run.run_id), "dedup-exact")
-        assert shown["state"] == "cached" and shown["key"] == tiny_run.keys["dedup-exact"]
+    # dedup-exact (parents ingest -> quality) resumed into the pipeline's own run: cached
+    deployment_run("stage-dedup-exact", {"run_id": tiny_run.run_id, "store": store})
+    shown = _stage(_status(served.home, "--run", tiny_run.run_id), "dedup-exact")
+    assert shown["state"] == "cached" and shown["key"] == tiny_run.keys["dedup-exact"]
 
-        # pretrain with fewer steps: a new key, its parents (pack, tokenize) reused, trained now
-        deployment_run("stage-pretrain", {"preset": "tiny", "overrides": [*FAST, "pretrain.max_steps=2"],
-                                          "store": store})
-        latest = _status(tiny_run.home)
-        assert [s["name"] for s in latest["stages"]] == ["pretrain"] and latest["run"]["state"] == "completed"
-        shown = _stage(latest, "pretrain")
-        assert shown["state"] == "done" and shown["key"] != tiny_run.keys["pretrain"]
-        assert shown["metrics"]["steps"] == 2 and shown["metrics"]["resumed_from_step"] == 0
-        assert shown["artifact"].endswith(f"artifacts/pretrain/{shown['key']}")
+    # pretrain with fewer steps: a new key, its parents (pack, tokenize) reused, trained now
+    deployment_run("stage-pretrain", {"preset": "tiny", "overrides": [*FAST, "pretrain.max_steps=2"], "store": store})
+    latest = _status(served.home)
+    assert [s["name"] for s in latest["stages"]] == ["pretrain"] and latest["run"]["state"] == "completed"
+    shown = _stage(latest, "pretrain")
+    assert shown["state"] == "done" and shown["key"] != tiny_run.keys["pretrain"]
+    assert shown["metrics"]["steps"] == 2 and shown["metrics"]["resumed_from_step"] == 0
+    assert shown["artifact"].endswith(f"artifacts/pretrain/{shown['key']}")
 
-        _preempted_run_is_rerun_by_the_automation(local, tiny_run.home, store, tmp_path)
+    _preempted_run_is_rerun_by_the_automation(served, store)
 
 
-def _flow_runs(local, deployment: str) -> list[dict]:
+def _flow_runs(served, deployment: str) -> list[dict]:
     body = json.dumps({"deployments": {"name": {"any_": [deployment]}}, "sort": "EXPECTED_START_TIME_ASC"}).encode()
-    req = urllib.request.Request(f"{local.url}/flow_runs/filter", data=body, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(f"{served.api}/flow_runs/filter", data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as r:
         return json.loads(r.read())
 
 
-def _flow_run_process(worker_pid: int, flow_run_id: str):
+def _flow_run_process(serve_pid: int, flow_run_id: str):
     """The process the worker started for `flow_run_id` (its children carry the same id)."""
     import psutil
 
-    for p in psutil.Process(worker_pid).children(recursive=True):
+    for p in psutil.Process(serve_pid).children(recursive=True):
         try:
             if p.environ().get("PREFECT__FLOW_RUN_ID") == flow_run_id and \
                     p.parent().environ().get("PREFECT__FLOW_RUN_ID") != flow_run_id:
@@ -92,24 +84,22 @@ def _flow_run_process(worker_pid: int, flow_run_id: str):
     return None
 
 
-def _preempted_run_is_rerun_by_the_automation(local, home: Path, store: str, tmp_path: Path) -> None:
+def _preempted_run_is_rerun_by_the_automation(served, store: str) -> None:
     steps = 40
     params = {"preset": "tiny", "overrides": [*FAST, f"pretrain.max_steps={steps}", "pretrain.checkpoint_every=2"],
               "store": store}
     t0 = time.time()
     subprocess.run([PREFECT, "deployment", "run", "glmforge-stage/stage-pretrain", "--params", json.dumps(params)],
-                   env=local.env, cwd=REPO, capture_output=True, check=True, timeout=120)
-    [first] = [r for r in _flow_runs(local, "stage-pretrain") if r["parameters"].get("overrides") == params["overrides"]]
+                   env=served.env, cwd=REPO, capture_output=True, check=True, timeout=120)
+    [first] = [r for r in _flow_runs(served, "stage-pretrain") if r["parameters"].get("overrides") == params["overrides"]]
 
-    def logs() -> str:
-        return (tmp_path / "worker.log").read_text()[-6000:]
-
+    home, logs = served.home, lambda: served.logs(6000)
     # SIGTERM the flow-run process (a pod eviction) once the stage has trained a few steps
     deadline, sent = time.monotonic() + 600, False
     while time.monotonic() < deadline and not sent:
         logged = [m for m in home.glob("work/pretrain/*/checkpoint/metrics.jsonl") if m.stat().st_mtime > t0]
         if logged and len(logged[0].read_text().splitlines()) >= 3:
-            proc = _flow_run_process(local.worker.pid, first["id"])
+            proc = _flow_run_process(served.pid, first["id"])
             assert proc is not None, logs()
             proc.send_signal(signal.SIGTERM)
             sent = True
@@ -119,7 +109,7 @@ def _preempted_run_is_rerun_by_the_automation(local, home: Path, store: str, tmp
     # the automation reruns the deployment with preemptions=1; the rerun resumes and completes
     deadline, runs = time.monotonic() + 600, []
     while time.monotonic() < deadline:
-        runs = [r for r in _flow_runs(local, "stage-pretrain") if r["parameters"].get("overrides") == params["overrides"]]
+        runs = [r for r in _flow_runs(served, "stage-pretrain") if r["parameters"].get("overrides") == params["overrides"]]
         if any(r["state_type"] in ("COMPLETED", "FAILED", "CRASHED") and r["parameters"].get("preemptions") == 1
                for r in runs):
             break

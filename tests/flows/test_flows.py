@@ -1,4 +1,5 @@
-"""The real Prefect flows: caching across runs, SIGKILL + resume, status, deployments."""
+"""The real Prefect flows: caching across runs, SIGKILL + resume, status (deployments run by a
+worker: test_deployments.py, test_schedule.py, test_browser_ui.py)."""
 from __future__ import annotations
 
 import json
@@ -133,27 +134,3 @@ def test_invalid_config_fails_before_any_work(tmp_path):
     assert out.returncode == 2
     assert "ingest.shard_size" in out.stderr and "greater than 0" in out.stderr
     assert not (tmp_path / "home").exists()
-
-
-def test_deployment_runs_on_local_server_with_process_worker(tmp_path):
-    from tests.conftest import free_port
-    from glmforge.serve import LocalPrefect
-
-    src = tmp_path / "docs.jsonl"
-    src.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(20)))
-    config = _write_config(tmp_path, src)
-    local = LocalPrefect(port=free_port(), home=tmp_path / "prefect-home", log_dir=tmp_path)
-    local.env["GLMFORGE_HOME"] = str(tmp_path / "home")
-    local.env["PREFECT_WORKER_QUERY_SECONDS"] = "2"
-    with local:
-        pass_env = {**local.env}
-        run = subprocess.run(
-            [str(Path(sys.executable).parent / "prefect"), "deployment", "run", "glmforge-stage/stage-ingest",
-             "--param", f"config_file={config}", "--param", "preset=null", "--watch", "--watch-timeout", "240"],
-            env=pass_env, cwd=REPO, capture_output=True, text=True, timeout=300,
-        )
-        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:] + (tmp_path / "worker.log").read_text()[-3000:]
-        assert "Completed" in run.stdout
-    status = subprocess.run([*GLMFORGE, "status", "--json"], env={**os.environ, "GLMFORGE_HOME": str(tmp_path / "home")},
-                            cwd=REPO, capture_output=True, text=True, check=True)
-    assert json.loads(status.stdout)["stages"][0]["metrics"]["documents"] == 20

@@ -16,7 +16,8 @@ from glmforge.store import LocalStore
 GOLDEN = {
     # stage: (loss of step 1, loss of the last step)
     "pretrain": (9.013957977294922, 8.33001708984375),
-    "sft": (8.292235374450684, 8.111254692077637),
+    # sft moved with the long-context mix cap (context phases train on other sequences)
+    "sft": (8.284055709838867, 8.100546836853027),
 }
 
 

@@ -1,5 +1,6 @@
-"""`glmforge serve --pool NAME` and `glmforge schedule`: a local Prefect server, deployments on a
-work pool other than the default, a short interval schedule, and the process worker running it."""
+"""`glmforge serve --pool NAME` (the session's, tests/flows/conftest.served) and `glmforge schedule`:
+deployments on a work pool other than the default, a short interval schedule, and the process
+worker running it."""
 from __future__ import annotations
 
 import json
@@ -7,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import yaml
@@ -19,10 +21,8 @@ def _glmforge(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run([*GLMFORGE, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
-def test_interval_schedule_runs_on_a_named_pool(tmp_path):
+def test_interval_schedule_runs_on_a_named_pool(served, tmp_path):
     from glmforge.schedules import PIPELINE_DEPLOYMENT, deployment
-    from glmforge.serve import LocalPrefect
-    from tests.conftest import free_port
 
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps({"text": f"scheduled doc {i}"}) + "\n" for i in range(12)))
@@ -30,46 +30,53 @@ def test_interval_schedule_runs_on_a_named_pool(tmp_path):
     cfg["ingest"] = {"shard_size": 5, "sources": [{"name": "raw", "path": str(src)}]}
     config = tmp_path / "pipeline.yaml"
     config.write_text(yaml.safe_dump(cfg))
+    env, ingest = served.env, "glmforge-stage/stage-ingest"
 
-    home = tmp_path / "home"
-    local = LocalPrefect(port=free_port(), pool="ops-pool", home=tmp_path / "prefect-home", log_dir=tmp_path)
-    local.env.update(GLMFORGE_HOME=str(home), PREFECT_WORKER_QUERY_SECONDS="1",
-                     PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="2")
-    env = {**local.env}
-    with local:
-        # every deployment landed on the pool asked for, not on the one prefect.yaml names
-        dep = deployment(local.url, "glmforge-stage/stage-ingest")
-        assert dep["work_pool_name"] == "ops-pool"
-        assert deployment(local.url, PIPELINE_DEPLOYMENT)["work_pool_name"] == "ops-pool"
+    # every deployment landed on the pool asked for, not on the one prefect.yaml names
+    assert served.pool != "glmforge"
+    assert deployment(served.api, ingest)["work_pool_name"] == served.pool
+    assert deployment(served.api, PIPELINE_DEPLOYMENT)["work_pool_name"] == served.pool
 
-        # the nightly cron is there and off; on/off flip it
-        ls = _glmforge("schedule", "ls", env=env)
-        assert ls.returncode == 0, ls.stderr
-        nightly = [line for line in ls.stdout.splitlines() if line.startswith(PIPELINE_DEPLOYMENT)]
-        assert len(nightly) == 1 and " off " in nightly[0] and "0 2 * * *" in nightly[0], ls.stdout
-        assert " on " in _glmforge("schedule", "on", env=env).stdout
-        assert " off " in _glmforge("schedule", "off", env=env).stdout
-        assert not any(s["active"] for s in deployment(local.url, PIPELINE_DEPLOYMENT)["schedules"])
+    # the nightly cron is there and off; on/off flip it
+    ls = _glmforge("schedule", "ls", env=env)
+    assert ls.returncode == 0, ls.stderr
+    nightly = [line for line in ls.stdout.splitlines() if line.startswith(PIPELINE_DEPLOYMENT)]
+    assert len(nightly) == 1 and " off " in nightly[0] and "0 2 * * *" in nightly[0], ls.stdout
+    assert " on " in _glmforge("schedule", "on", env=env).stdout
+    assert " off " in _glmforge("schedule", "off", env=env).stdout
+    assert not any(s["active"] for s in deployment(served.api, PIPELINE_DEPLOYMENT)["schedules"])
 
-        added = _glmforge("schedule", "add", "glmforge-stage/stage-ingest", "--every", "5",
-                          "--param", f"config_file={config}", "--param", "preset=null", env=env)
-        assert added.returncode == 0, added.stdout + added.stderr
-        assert "every 5 s" in added.stdout
+    added = _glmforge("schedule", "add", ingest, "--every", "5", "--param", f"config_file={config}",
+                      "--param", "preset=null", env=env)
+    assert added.returncode == 0, added.stdout + added.stderr
+    assert "every 5 s" in added.stdout
 
-        # the scheduler creates the runs, the worker on ops-pool runs the first one
-        deadline, record = time.monotonic() + 240, None
+    # the scheduler creates the runs, the worker on the pool runs the first one
+    deadline, record = time.monotonic() + 240, None
+    try:
         while time.monotonic() < deadline:
             status = _glmforge("status", "--json", env=env)
             if status.returncode == 0:
                 record = json.loads(status.stdout)
-                if record["run"]["state"] in ("completed", "failed"):
+                if record["run"].get("config_file") == str(config) and record["run"]["state"] in ("completed", "failed"):
                     break
             time.sleep(2)
-        _glmforge("schedule", "off", "glmforge-stage/stage-ingest", env=env)
-    logs = (tmp_path / "worker.log").read_text()[-3000:] if (tmp_path / "worker.log").exists() else ""
-    assert record is not None and record["run"]["state"] == "completed", f"{record}\n{logs}"
+    finally:
+        _glmforge("schedule", "off", ingest, env=env)
+        _cancel_scheduled(served.api, ingest.split("/")[1])  # the server outlives this test
+    assert record is not None and record["run"]["state"] == "completed", f"{record}\n{served.logs(3000)}"
     assert record["run"]["config_file"] == str(config)
     assert record["stages"][0]["name"] == "ingest" and record["stages"][0]["metrics"]["documents"] == 12
+
+
+def _cancel_scheduled(api: str, deployment: str) -> None:
+    """Delete the runs the interval schedule created ahead that have not started."""
+    body = json.dumps({"deployments": {"name": {"any_": [deployment]}},
+                       "flow_runs": {"state": {"type": {"any_": ["SCHEDULED", "PENDING"]}}}}).encode()
+    req = urllib.request.Request(f"{api}/flow_runs/filter", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        for run in json.loads(r.read()):
+            urllib.request.urlopen(urllib.request.Request(f"{api}/flow_runs/{run['id']}", method="DELETE"), timeout=30)
 
 
 def test_schedule_without_server_says_how_to_start_one(tmp_path):
