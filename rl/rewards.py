@@ -204,12 +204,18 @@ def _sympy_expr(s: str):
         return None
 
 
+# a number and then words only: "72 clips", "5 hours per day"
+_NUMBER_THEN_WORDS = re.compile(r"\s*(-?\d[\d,]*(?:\.\d+)?|-?\.\d+)\s*[A-Za-z][A-Za-z\s-]*\.?\s*")
+
+
 def _numeric_part(ans: str, ref: str) -> str:
-    """"72 clips" -> "72" when the reference is a number and the answer is not one as a whole."""
+    """"72 clips" -> "72" when the reference is a number and the answer is a number followed by
+    words. Anything else stays whole: taking the first number out of any text paid a boxed
+    `__import__('os').system('touch /tmp/d0e2...')` for the answer 0."""
     if _as_number(_clean(ref)) is None or _as_number(_clean(ans)) is not None:
         return ans
-    nums = _NUMBER.findall(ans)
-    return nums[0] if nums else ans
+    m = _NUMBER_THEN_WORDS.fullmatch(_clean(ans))
+    return m.group(1) if m else ans
 
 
 def equivalent(pred: str, ref: str) -> bool:

@@ -214,6 +214,7 @@ END_TO_END = (
 SHARED_RUN_FIXTURES = ("tiny_run", "served")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
     vllm_off = pytest.mark.skip(reason="opt-in: real vLLM servers (make test-vllm sets GLMFORGE_TEST_VLLM=1)")
     for item in items:

@@ -84,11 +84,20 @@ def test_math_normalisation_and_symbolic():
 
 
 def test_math_never_evaluates_code():
-    marker = f"/tmp/{uuid.uuid4().hex}"
+    marker = f"/tmp/0{uuid.uuid4().hex}"       # its first number is the answer, 0
     evil = f"__import__('os').system('touch {marker}')"
     assert not equivalent(evil, "0")
     assert score(f"\\boxed{{{evil}}}", Task("math", "", "0", {})).score == 0.0
     assert not os.path.exists(marker)
+
+
+def test_math_takes_a_number_out_of_words_only():
+    t = Task("math", "", "72", {})
+    assert score("\\boxed{72 clips}", t).score == 1.0
+    assert score("#### 72 hours per week.", t).score == 1.0
+    assert score("\\boxed{f(72)}", t).score == 0.0
+    assert score("\\boxed{72 or 80}", t).score == 0.0
+    assert score("#### x = 72 - 1", t).score == 0.0
 
 
 def test_code_mbpp_reference_passes_and_broken_fails():
