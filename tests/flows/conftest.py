@@ -100,12 +100,13 @@ class Served:
         return self.log.read_text(errors="replace")[-n:]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def served(tiny_run, tmp_path_factory) -> Served:
     """`glmforge serve --pool ops-pool` as a user starts it, its worker's GLMFORGE_HOME a copy of
     the tiny run's home (every stage published there: a pipeline deployment is cached, and a
     stage with parents finds them). Started once: a server, ~20 deployments and a worker take
-    about a minute on 2 cores. Short scheduler and worker polling for the schedule test."""
+    about 40 s on 2 cores. Short scheduler and worker polling for the schedule test; stopped
+    when the tests of this folder are done (idle, it takes ~17% of a core)."""
     from tests.conftest import free_port
 
     root = tmp_path_factory.mktemp("served")

@@ -49,7 +49,10 @@ class Chromium:
         profile.mkdir(parents=True)
         self.log = profile / "chromium.log"
         self.proc = subprocess.Popen(
-            [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            # no software WebGL: the flow-run graph (a canvas) would redraw on 1-2 cores for as
+            # long as its page is open; the pages' text, tabs and images do not need it
+            [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-software-rasterizer",
+             "--disable-quic", "--no-first-run",
              "--disable-background-networking", "--disable-component-update", "--disable-sync",
              f"--user-data-dir={profile}", "--remote-debugging-port=0", f"--window-size={width},{height}",
              "about:blank"],
@@ -160,7 +163,6 @@ def _check_flow_run(chrome: Chromium, base: str, api: str, flow_run_id: str, sta
     """The flow-run page shows one finished task per stage, each stage's metrics table and images."""
     chrome.goto(f"{base}/runs/flow-run/{flow_run_id}")
     chrome.wait_for(lambda t: "Completed" in t and f"{len(stages)} Task run" in t, f"{len(stages)} task runs, Completed")
-    time.sleep(2)  # the run graph is a canvas drawn after the text: let it finish for the screenshot
     chrome.screenshot(shots / f"{tag}-flow-run.png")
 
     chrome.click("Task Runs")
