@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import signal
 import subprocess
 import threading
@@ -319,6 +320,16 @@ class PreemptionGuard:
 # ---------------------------------------------------------------- pod grace period
 KILL_MARGIN_S = 15.0  # the stage SIGKILLs the ranks' launcher this long past their grace
 TEARDOWN_S = 20  # then: the launcher's exit, the run record, the pod
+
+
+def leave_finished_rank() -> None:
+    """End a training or RL rank whose work is on disk without running the interpreter's static
+    destructors: gloo / DeepSpeed threads left to them were seen to abort a finished rank
+    ("terminate called without an active exception"), failing the whole launch. Call it after
+    destroy_process_group, on success only: errors and preemption exits must still raise."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def pod_grace_seconds(cfg) -> int:

@@ -143,11 +143,7 @@ def main(argv: list[str]) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    # As training.launch: a finished rank leaves without static destructors (gloo's threads can
-    # abort it in teardown after its work is on disk).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    shutdown.leave_finished_rank()
 
 
 if __name__ == "__main__":

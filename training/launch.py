@@ -235,12 +235,7 @@ def main(argv: list[str]) -> None:
         # run that finished.
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-    # Even so, a rank that finished (checkpoint and metrics on disk) was seen to abort in its
-    # interpreter's teardown on ZeRO-2 with expert parallelism, failing the whole launch: leave
-    # without running the static destructors. Errors and preemption exits raise above instead.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    shutdown.leave_finished_rank()   # seen aborting in teardown on ZeRO-2 + EP
 
 
 if __name__ == "__main__":
