@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export DS_ACCELERATOR := cpu
 
-.PHONY: setup vllm-setup demo effects test test-fast test-vllm bench clean
+.PHONY: setup vllm-setup demo effects effects-sweep test test-fast test-vllm bench clean
 
 # model-written code runs under bubblewrap (rl/sandbox.py): installed here when root with apt-get
 setup: $(VENV)/.installed
@@ -40,11 +40,15 @@ demo: setup
 	$(VENV)/bin/glmforge status
 	$(VENV)/bin/glmforge report
 
-# the recipe's effects on the small preset (README): DSA vs full vs SWA, then QAT vs PTQ in SFT;
-# about 32 minutes on 2 cores (the RL stages after sft show nothing more on small)
+# the recipe's effects on the small preset (README): the whole pipeline, then each effect against
+# its target (glmforge/effects.py); effects-sweep repeats it for three pipeline seeds
 effects: setup
-	$(VENV)/bin/glmforge run --preset small --until sft
+	$(VENV)/bin/glmforge run --preset small
 	$(VENV)/bin/glmforge status
+	$(VENV)/bin/glmforge effects
+
+effects-sweep: setup
+	$(VENV)/bin/glmforge sweep --preset small --seeds 0,1,2
 
 # two pytest-xdist workers: the end-to-end tests spend much of their time waiting on servers and
 # processes they started; a module, and the tests on the session's tiny run, stay on one worker

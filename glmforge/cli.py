@@ -302,6 +302,101 @@ def status(
     _print_stages(public)
 
 
+@app.command("effects")
+def effects_cmd(
+    run_ids: Optional[list[str]] = typer.Option(None, "--run", help="run id, repeatable (default: the latest run)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+    store: Optional[str] = StoreOpt,
+) -> None:
+    """The recipe's effects (glmforge.effects) measured in one or more runs, each against its
+    target; with several runs, their mean and std and how many runs met the target."""
+    from glmforge import effects
+    from glmforge.runner import RunRecord
+
+    st = _store(store)
+    runs = {}
+    for rid in run_ids or [None]:
+        record = RunRecord.load(st, rid)
+        if record is None:
+            _fail(f"no run {rid!r} in {st.uri}" if rid else f"no run recorded in {st.uri}")
+        runs[record.id] = effects.measure(effects.stage_metrics(record.public()))
+    if as_json:
+        typer.echo(json.dumps({"runs": runs, "spread": effects.spread(runs)}, indent=2, sort_keys=True))
+    else:
+        typer.echo(effects.markdown(runs), nl=False)
+
+
+@app.command()
+def sweep(
+    seeds: str = typer.Option(..., "--seeds", help="run seeds, e.g. 0,1,2"),
+    preset: Optional[str] = PresetOpt,
+    config: Optional[Path] = ConfigOpt,
+    until: Optional[str] = typer.Option(None, "--until", help="stop each run after this stage"),
+    set_: Optional[list[str]] = SetOpt,
+    store: Optional[str] = StoreOpt,
+    out: Optional[Path] = typer.Option(None, "--out", help="folder for the table (default: $GLMFORGE_HOME/reports)"),
+) -> None:
+    """Run the pipeline once per seed (`glmforge run --set run.seed=N`, one after the other; the
+    curation stages do not read the seed and are reused) and print the effects table: each
+    run's value, the mean and std over the seeds, how many met the target. Re-running the same
+    sweep reuses every published stage, so an interrupted sweep continues where it stopped."""
+    import subprocess
+    import time
+
+    from glmforge import effects
+    from glmforge.pipeline import get_stage
+    from glmforge.runner import RunRecord
+
+    try:
+        seed_list = [int(s) for s in seeds.split(",") if s.strip()]
+    except ValueError:
+        _fail(f"--seeds {seeds!r}: expected integers separated by commas, e.g. 0,1,2")
+    if len(set(seed_list)) != len(seed_list) or not seed_list:
+        _fail(f"--seeds {seeds!r}: give each seed once")
+    base = list(set_ or [])
+    if any(s.split("=", 1)[0].strip() == "run.seed" for s in base):
+        _fail("--set run.seed: the sweep sets it; give the seeds with --seeds")
+    try:
+        for seed in seed_list:          # every seed's config, validated before the first run starts
+            load_config(preset, config, [*base, f"run.seed={seed}"])
+        if until:
+            get_stage(until)
+    except (ConfigError, ValueError) as e:
+        _fail(str(e))
+    st = _store(store)
+    runs, walls = {}, {}
+    for seed in seed_list:
+        argv = [sys.executable, "-m", "glmforge.cli", "run"] + (["--config", str(config)] if config else
+                                                             ["--preset", preset or "tiny"])
+        argv += [a for s in [*base, f"run.seed={seed}"] for a in ("--set", s)]
+        argv += (["--until", until] if until else []) + (["--store", store] if store else [])
+        typer.echo(f"sweep: seed {seed}: {' '.join(argv[2:])}")
+        t0 = time.monotonic()
+        code = subprocess.call(argv)
+        walls[seed] = time.monotonic() - t0
+        if code != 0:
+            _fail(f"sweep: the run with seed {seed} ended with exit status {code}; rerun the sweep to continue "
+                  "from its published stages", code=code)
+        record = RunRecord.load(st)
+        if record is None or record.config.get("run", {}).get("seed") != seed:
+            _fail(f"sweep: the latest run in {st.uri} is not seed {seed}'s (another run in the same store?)", code=1)
+        runs[f"seed {seed} ({record.id})"] = effects.measure(effects.stage_metrics(record.public()))
+        typer.echo(f"sweep: seed {seed}: run {record.id} {record.state} in {walls[seed] / 60:.1f} min")
+    from glmforge.report import default_out_dir
+
+    folder = out or default_out_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = f"sweep-{preset or (config.stem if config else 'tiny')}-seeds-{'-'.join(map(str, seed_list))}"
+    (folder / f"{stem}.json").write_text(json.dumps(
+        {"seeds": seed_list, "until": until, "overrides": base, "wall_s": {str(k): round(v, 1) for k, v in walls.items()},
+         "runs": runs, "spread": effects.spread(runs)}, indent=1))
+    md = folder / f"{stem}.md"
+    md.write_text(effects.markdown(runs))
+    typer.echo(effects.markdown(runs), nl=False)
+    typer.echo(f"wall time per seed (min): {', '.join(f'{k}: {v / 60:.1f}' for k, v in walls.items())}")
+    typer.echo(md)
+
+
 @app.command()
 def report(
     run_id: Optional[str] = typer.Option(None, "--run", help="run id (default: the latest run)"),

@@ -921,14 +921,31 @@ details summary{cursor:pointer}
 """
 
 
+def effects_section(run: RunData) -> str:
+    """The recipe's effects this run measured, each against its target (glmforge.effects)."""
+    from glmforge import effects
+
+    measured = effects.measure({name: run.metrics(name) for name in run.stages})
+    rows = [[td(e.name), td(e.stage), td(e.description), td(measured[e.name]["value"], f"effects.{e.name}"),
+             td(e.target), td(None, f"effects.{e.name}.passed",
+                              _NR if measured[e.name]["passed"] is None else ("yes" if measured[e.name]["passed"] else "no"),
+                              cls="bad" if measured[e.name]["passed"] is False else "")]
+            for e in effects.EFFECTS]
+    return section("effects", "Effects", table(["effect", "stage", "what", "value", "target", "met"], rows)
+                   + note("What each stage of the recipe is meant to show, from its published metrics "
+                          f"({NOT_RECORDED}: the stage did not run or did not measure it; the tiny preset "
+                          "leaves out the long-context and INT4 comparisons). `glmforge sweep` gives the "
+                          "spread over seeds."))
+
+
 def render(store: Store, record: RunRecord) -> str:
     """The whole page (HTML text) for one run record."""
     run = RunData(store, record)
-    body = [curation(run), training(run), sft_section(run), posttraining(run), lineage(run)]
+    body = [effects_section(run), curation(run), training(run), sft_section(run), posttraining(run), lineage(run)]
     body.insert(0, header(run))  # last: it lists the files the other sections could not read
     made = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     nav = "".join(f'<a href="#{a}">{esc(t)}</a>' for a, t in (
-        ("run", "run"), ("curation", "curation"), ("training", "training"), ("sft", "SFT and INT4"),
+        ("run", "run"), ("effects", "effects"), ("curation", "curation"), ("training", "training"), ("sft", "SFT and INT4"),
         ("posttraining", "post-training"), ("lineage", "lineage")))
     return (
         "<!DOCTYPE html><html lang=en><head><meta charset=utf-8>"

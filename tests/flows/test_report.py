@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from glmforge import effects
 from glmforge.report import NOT_RECORDED, render
 from glmforge.runner import RunRecord
 from glmforge.store import LocalStore
@@ -94,6 +95,13 @@ def test_page_shows_the_numbers_of_status_json(tiny_run, report_page):
         recheck = metrics[stage].get("reward_recheck")
         want = NOT_RECORDED if recheck is None else f"{recheck['rechecked']:,}"
         assert shown[f"{stage}.reward_recheck.rechecked"] == want
+    # effects: what glmforge.effects reads from the same metrics, and its verdict
+    for name, e in effects.measure(metrics).items():
+        if e["value"] is None:
+            assert shown[f"effects.{name}"] == shown[f"effects.{name}.passed"] == NOT_RECORDED, name
+        else:
+            assert value(shown[f"effects.{name}"]) == pytest.approx(e["value"], rel=1e-3, abs=1e-9), name
+            assert shown[f"effects.{name}.passed"] == ("yes" if e["passed"] else "no"), name
     # lineage: every published artifact's digest
     store = LocalStore(tiny_run.home / "store")
     for s in status["stages"]:
