@@ -364,7 +364,7 @@ def sweep(
     except (ConfigError, ValueError) as e:
         _fail(str(e))
     st = _store(store)
-    runs, walls = {}, {}
+    runs, walls, run_ids = {}, {}, {}
     for seed in seed_list:
         argv = [sys.executable, "-m", "glmforge.cli", "run"] + (["--config", str(config)] if config else
                                                              ["--preset", preset or "tiny"])
@@ -381,15 +381,17 @@ def sweep(
         if record is None or record.config.get("run", {}).get("seed") != seed:
             _fail(f"sweep: the latest run in {st.uri} is not seed {seed}'s (another run in the same store?)", code=1)
         runs[f"seed {seed} ({record.id})"] = effects.measure(effects.stage_metrics(record.public()))
+        run_ids[str(seed)] = record.id
         typer.echo(f"sweep: seed {seed}: run {record.id} {record.state} in {walls[seed] / 60:.1f} min")
     from glmforge.report import default_out_dir
 
     folder = out or default_out_dir()
     folder.mkdir(parents=True, exist_ok=True)
     stem = f"sweep-{preset or (config.stem if config else 'tiny')}-seeds-{'-'.join(map(str, seed_list))}"
-    (folder / f"{stem}.json").write_text(json.dumps(
-        {"seeds": seed_list, "until": until, "overrides": base, "wall_s": {str(k): round(v, 1) for k, v in walls.items()},
-         "runs": runs, "spread": effects.spread(runs)}, indent=1))
+    saved = {"seeds": seed_list, "until": until, "overrides": base, "run_ids": run_ids,
+             "wall_s": {str(k): round(v, 1) for k, v in walls.items()}, "runs": runs, "spread": effects.spread(runs)}
+    (folder / f"{stem}.json").write_text(json.dumps(saved, indent=1))
+    st.put_json(f"{effects.SWEEPS}{stem}.json", saved)   # where each run's report finds its sweep
     md = folder / f"{stem}.md"
     md.write_text(effects.markdown(runs))
     typer.echo(effects.markdown(runs), nl=False)

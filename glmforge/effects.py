@@ -131,6 +131,9 @@ EFFECTS: tuple[Effect, ...] = (
 )
 
 
+SWEEPS = "sweeps/"   # store prefix of `glmforge sweep`'s records (the run report shows a run's sweep)
+
+
 def stage_metrics(record: dict[str, Any]) -> Metrics:
     """{stage: metrics} of a run record as `glmforge status --json` prints it (RunRecord.public())."""
     return {s["name"]: s.get("metrics") or {} for s in record.get("stages", [])

@@ -932,10 +932,47 @@ def effects_section(run: RunData) -> str:
                               cls="bad" if measured[e.name]["passed"] is False else "")]
             for e in effects.EFFECTS]
     return section("effects", "Effects", table(["effect", "stage", "what", "value", "target", "met"], rows)
+                   + "".join(sweep_table(sw) for sw in run_sweeps(run))
                    + note("What each stage of the recipe is meant to show, from its published metrics "
                           f"({NOT_RECORDED}: the stage did not run or did not measure it; the tiny preset "
                           "leaves out the long-context and INT4 comparisons). `glmforge sweep` gives the "
                           "spread over seeds."))
+
+
+def run_sweeps(run: RunData) -> list[dict]:
+    """The `glmforge sweep` records in the store that include this run."""
+    from glmforge import effects
+
+    found = []
+    for key in sorted(run.store.list(effects.SWEEPS)):
+        try:
+            sw = run.store.get_json(key)
+        except (OSError, ValueError):
+            run.problems.append(f"{run.store.uri}/{key}: unreadable sweep record")
+            continue
+        if isinstance(sw, dict) and run.record.id in (sw.get("run_ids") or {}).values():
+            found.append(sw)
+    return found
+
+
+def sweep_table(sw: dict) -> str:
+    """One sweep's spread: each effect's value per seed, mean ± std, on how many seeds it held."""
+    from glmforge import effects
+
+    seeds = [str(s) for s in sw["seeds"]]
+    rows = []
+    for e in effects.EFFECTS:
+        s = sw["spread"].get(e.name) or {}
+        vals = list((s.get("values") or {}).values())
+        cells = [td(v, f"sweep.{e.name}.seed{k}") for k, v in zip(seeds, vals)]
+        ms = None if s.get("mean") is None else f"{s['mean']:.3f} ± " + ("—" if s.get("std") is None else f"{s['std']:.3f}")
+        held = f"{s['passed']}/{s['measured']}" if s.get("measured") else None
+        rows.append([td(e.name), *cells, td(None, f"sweep.{e.name}.mean", ms), td(None, f"sweep.{e.name}.held", held)])
+    walls = ", ".join(f"seed {k}: {v / 60:.1f} min" for k, v in (sw.get("wall_s") or {}).items())
+    until = f" through {sw['until']}" if sw.get("until") else ""
+    return (f"<h3>Seed sweep{esc(until)}: seeds {esc(', '.join(seeds))}</h3>"
+            + table(["effect", *[f"seed {k}" for k in seeds], "mean ± std", "held in"], rows)
+            + note(f"Wall time per seed: {walls}."))
 
 
 def render(store: Store, record: RunRecord) -> str:

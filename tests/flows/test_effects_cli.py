@@ -44,3 +44,11 @@ def test_sweep_tabulates_each_seeds_run(tiny_run, tmp_path):
     assert json.loads(shown.stdout)["runs"][tiny_run.run_id] == measured
     assert {e.name for e in effects.EFFECTS} == set(measured)
 
+    # the sweep is recorded in the store: the report of its run shows the spread
+    page = subprocess.run([*GLMFORGE, "report", "--run", saved["run_ids"]["1234"], "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert page.returncode == 0, page.stderr
+    html = open(page.stdout.strip()).read()
+    assert "Seed sweep: seeds 1234" in html and 'data-metric="sweep.reasoning_reward_gain.seed1234"' in html
+    assert f'data-metric="sweep.reasoning_reward_gain.mean">{measured["reasoning_reward_gain"]["value"]:.3f}' in html
+
