@@ -392,9 +392,9 @@ def sweep(
              "wall_s": {str(k): round(v, 1) for k, v in walls.items()}, "runs": runs, "spread": effects.spread(runs)}
     (folder / f"{stem}.json").write_text(json.dumps(saved, indent=1))
     st.put_json(f"{effects.SWEEPS}{stem}.json", saved)   # where each run's report finds its sweep
-    md = folder / f"{stem}.md"
-    md.write_text(effects.markdown(runs))
-    typer.echo(effects.markdown(runs), nl=False)
+    md, table = folder / f"{stem}.md", effects.markdown(runs)
+    md.write_text(table)
+    typer.echo(table, nl=False)
     typer.echo(f"wall time per seed (min): {', '.join(f'{k}: {v / 60:.1f}' for k, v in walls.items())}")
     typer.echo(md)
 

@@ -168,6 +168,16 @@ def _fmt(v: Optional[float]) -> str:
     return "—" if v is None else f"{v:.3f}"
 
 
+def mean_std(s: dict[str, Any]) -> Optional[str]:
+    """"mean ± std" of one effect's `spread` entry (None: no run measured it)."""
+    return None if s.get("mean") is None else f"{s['mean']:.3f} ± {_fmt(s.get('std'))}"
+
+
+def held_in(s: dict[str, Any]) -> Optional[str]:
+    """"passed/measured" of one effect's `spread` entry (None: no run measured it)."""
+    return f"{s['passed']}/{s['measured']}" if s.get("measured") else None
+
+
 def markdown(runs: dict[str, dict[str, dict[str, Any]]]) -> str:
     """The sweep table: one row per effect, a column per run, then mean ± std and the verdicts."""
     labels = list(runs)
@@ -178,7 +188,6 @@ def markdown(runs: dict[str, dict[str, dict[str, Any]]]) -> str:
         s = sp[e.name]
         cells = [_fmt(runs[k][e.name]["value"]) + ("" if runs[k][e.name]["passed"] is not False else " ✗")
                  for k in labels]
-        ms = "—" if s["mean"] is None else f"{s['mean']:.3f} ± {_fmt(s['std'])}"
-        held = f"{s['passed']}/{s['measured']}" if s["measured"] else "—"
-        lines.append("| " + " | ".join([e.name, e.stage, e.target.replace("|", "/"), *cells, ms, held]) + " |")
+        lines.append("| " + " | ".join([e.name, e.stage, e.target.replace("|", "/"), *cells,
+                                         mean_std(s) or "—", held_in(s) or "—"]) + " |")
     return "\n".join(lines) + "\n"

@@ -926,11 +926,12 @@ def effects_section(run: RunData) -> str:
     from glmforge import effects
 
     measured = effects.measure({name: run.metrics(name) for name in run.stages})
-    rows = [[td(e.name), td(e.stage), td(e.description), td(measured[e.name]["value"], f"effects.{e.name}"),
-             td(e.target), td(None, f"effects.{e.name}.passed",
-                              _NR if measured[e.name]["passed"] is None else ("yes" if measured[e.name]["passed"] else "no"),
-                              cls="bad" if measured[e.name]["passed"] is False else "")]
-            for e in effects.EFFECTS]
+    rows = []
+    for e in effects.EFFECTS:
+        value, passed = measured[e.name]["value"], measured[e.name]["passed"]
+        verdict = _NR if passed is None else ("yes" if passed else "no")
+        rows.append([td(e.name), td(e.stage), td(e.description), td(value, f"effects.{e.name}"), td(e.target),
+                     td(None, f"effects.{e.name}.passed", verdict, cls="bad" if passed is False else "")])
     return section("effects", "Effects", table(["effect", "stage", "what", "value", "target", "met"], rows)
                    + "".join(sweep_table(sw) for sw in run_sweeps(run))
                    + note("What each stage of the recipe is meant to show, from its published metrics "
@@ -965,9 +966,8 @@ def sweep_table(sw: dict) -> str:
         s = sw["spread"].get(e.name) or {}
         vals = list((s.get("values") or {}).values())
         cells = [td(v, f"sweep.{e.name}.seed{k}") for k, v in zip(seeds, vals)]
-        ms = None if s.get("mean") is None else f"{s['mean']:.3f} ± " + ("—" if s.get("std") is None else f"{s['std']:.3f}")
-        held = f"{s['passed']}/{s['measured']}" if s.get("measured") else None
-        rows.append([td(e.name), *cells, td(None, f"sweep.{e.name}.mean", ms), td(None, f"sweep.{e.name}.held", held)])
+        rows.append([td(e.name), *cells, td(None, f"sweep.{e.name}.mean", effects.mean_std(s)),
+                     td(None, f"sweep.{e.name}.held", effects.held_in(s))])
     walls = ", ".join(f"seed {k}: {v / 60:.1f} min" for k, v in (sw.get("wall_s") or {}).items())
     until = f" through {sw['until']}" if sw.get("until") else ""
     return (f"<h3>Seed sweep{esc(until)}: seeds {esc(', '.join(seeds))}</h3>"
