@@ -27,7 +27,8 @@ def api_url(api: str | None = None) -> str:
 RETRY_STATUSES, RETRY_DELAYS_S = (503,), (0.5, 1.0, 2.0, 4.0)
 
 
-def _call(api: str, method: str, path: str, body: Any = None) -> Any:
+def call(api: str, method: str, path: str, body: Any = None) -> Any:
+    """One REST call to the Prefect server at `api`; a busy server (503) is retried."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(f"{api}{path}", data=data, method=method, headers={"Content-Type": "application/json"})
     for delay in (*RETRY_DELAYS_S, None):
@@ -52,7 +53,7 @@ def deployment(api: str, name: str) -> dict[str, Any]:
     if not sep or not flow or not dep:
         raise ScheduleError(f"deployment {name!r}: expected FLOW/DEPLOYMENT, e.g. {PIPELINE_DEPLOYMENT}")
     try:
-        return _call(api, "GET", f"/deployments/name/{flow}/{dep}")
+        return call(api, "GET", f"/deployments/name/{flow}/{dep}")
     except ScheduleError as e:
         if "HTTP 404" in str(e):
             raise ScheduleError(f"no deployment {name!r} on {api}; `glmforge schedule ls` lists them") from None
@@ -72,9 +73,9 @@ def describe(schedule: dict[str, Any]) -> str:
 
 def list_schedules(api: str) -> list[tuple[str, dict[str, Any]]]:
     """(FLOW/DEPLOYMENT, schedule) for every schedule of every deployment."""
-    flows = {f["id"]: f["name"] for f in _call(api, "POST", "/flows/filter", {})}
+    flows = {f["id"]: f["name"] for f in call(api, "POST", "/flows/filter", {})}
     out = []
-    for d in sorted(_call(api, "POST", "/deployments/filter", {}), key=lambda d: (flows.get(d["flow_id"], ""), d["name"])):
+    for d in sorted(call(api, "POST", "/deployments/filter", {}), key=lambda d: (flows.get(d["flow_id"], ""), d["name"])):
         name = f"{flows.get(d['flow_id'], '?')}/{d['name']}"
         for s in d.get("schedules") or []:
             out.append((name, s))
@@ -87,10 +88,10 @@ def set_active(api: str, name: str, active: bool) -> list[dict[str, Any]]:
     if not d.get("schedules"):
         raise ScheduleError(f"deployment {name!r} has no schedule; add one with `glmforge schedule add`")
     for s in d["schedules"]:
-        _call(api, "PATCH", f"/deployments/{d['id']}/schedules/{s['id']}", {"active": active})
+        call(api, "PATCH", f"/deployments/{d['id']}/schedules/{s['id']}", {"active": active})
     if active and d.get("paused"):  # a paused deployment ignores its schedules
-        _call(api, "PATCH", f"/deployments/{d['id']}", {"paused": False})
-    return _call(api, "GET", f"/deployments/{d['id']}/schedules")
+        call(api, "PATCH", f"/deployments/{d['id']}", {"paused": False})
+    return call(api, "GET", f"/deployments/{d['id']}/schedules")
 
 
 def add(api: str, name: str, every: float | None = None, cron: str | None = None,
@@ -103,8 +104,8 @@ def add(api: str, name: str, every: float | None = None, cron: str | None = None
         raise ScheduleError(f"--every {every}: must be a positive number of seconds")
     d = deployment(api, name)
     sched = {"interval": every} if every is not None else {"cron": cron, "timezone": timezone}
-    created = _call(api, "POST", f"/deployments/{d['id']}/schedules",
+    created = call(api, "POST", f"/deployments/{d['id']}/schedules",
                     [{"schedule": sched, "active": True, "parameters": dict(parameters or {})}])
     if d.get("paused"):
-        _call(api, "PATCH", f"/deployments/{d['id']}", {"paused": False})
+        call(api, "PATCH", f"/deployments/{d['id']}", {"paused": False})
     return created[0]

@@ -142,10 +142,9 @@ def _run_deployment(served, name: str, params: dict, timeout: int) -> str:
 
 
 def _api(api: str, path: str, body: dict) -> list[dict]:
-    req = urllib.request.Request(api + path, data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.load(r)
+    from glmforge.schedules import call
+
+    return call(api, "POST", path, body)
 
 
 def _task_rows(text: str) -> dict[str, str]:

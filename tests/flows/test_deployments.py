@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -64,10 +63,10 @@ def test_stage_deployments_with_parents_run_on_a_process_worker(served, tiny_run
 
 
 def _flow_runs(served, deployment: str) -> list[dict]:
-    body = json.dumps({"deployments": {"name": {"any_": [deployment]}}, "sort": "EXPECTED_START_TIME_ASC"}).encode()
-    req = urllib.request.Request(f"{served.api}/flow_runs/filter", data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())
+    from glmforge.schedules import call
+
+    return call(served.api, "POST", "/flow_runs/filter",
+                {"deployments": {"name": {"any_": [deployment]}}, "sort": "EXPECTED_START_TIME_ASC"})
 
 
 def _flow_run_process(serve_pid: int, flow_run_id: str):

@@ -35,17 +35,17 @@ def test_busy_server_is_retried_and_other_errors_are_not(monkeypatch):
     monkeypatch.setattr(schedules, "RETRY_DELAYS_S", (0.01, 0.01, 0.01))
     httpd, seen = _server([503, 503])
     api = f"http://127.0.0.1:{httpd.server_address[1]}/api"
-    assert schedules._call(api, "GET", "/x") == {"ok": True} and len(seen) == 3
+    assert schedules.call(api, "GET", "/x") == {"ok": True} and len(seen) == 3
     httpd.shutdown()
     httpd, seen = _server([503] * 5)
     api = f"http://127.0.0.1:{httpd.server_address[1]}/api"
     with pytest.raises(schedules.ScheduleError, match="HTTP 503"):
-        schedules._call(api, "GET", "/x")
+        schedules.call(api, "GET", "/x")
     assert len(seen) == 4
     httpd.shutdown()
     httpd, seen = _server([404])
     api = f"http://127.0.0.1:{httpd.server_address[1]}/api"
     with pytest.raises(schedules.ScheduleError, match="HTTP 404"):
-        schedules._call(api, "GET", "/x")
+        schedules.call(api, "GET", "/x")
     assert len(seen) == 1
     httpd.shutdown()
