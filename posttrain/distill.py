@@ -233,8 +233,9 @@ def train(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir, ranks: 
     found = checkpoint.select_resume(root)          # before QAT: the gates measure the model as given
     before, teacher_evals = {}, {}
     if found is None and lead:
-        before = trainer.measure_gates(model, tokenizer, cfg.gates, seed)
-        teacher_evals = {n: trainer.measure_gates(t, tokenizer, cfg.gates, seed) for n, t in teachers.items()}
+        before = trainer.measure_gates(model, tokenizer, cfg.gates, seed, (inputs.get("rl-general"), "rl-general"))
+        teacher_evals = {n: trainer.measure_gates(t, tokenizer, cfg.gates, seed, (inputs.get(n), n))
+                         for n, t in teachers.items()}
     if cfg.use_qat:
         prepare_qat(model, cfg.qat)      # names unchanged: checkpoints and engine syncs stay plain copies
     gen = torch.Generator().manual_seed(seed)
@@ -276,7 +277,8 @@ def train(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir, ranks: 
     out = workdir.out
     result = summary(cfg, records, before, after, int4_after, teacher_evals)
     result["trainer_ranks"] = ranks.world
-    gate = GateCheck(cfg.gates, before, after, "rl-general", chain_parent(inputs, teacher_evals, before))
+    measured = gates.spec(cfg.gates.evals, seed)
+    gate = GateCheck(cfg.gates, before, after, "rl-general", chain_parent(inputs, teacher_evals, before, measured), seed)
     result["gates"] = trainer.publish("distill", out, records, model=model, tokenizer_dir=inputs["tokenize"], gate=gate,
                                       export_info=dict(after), plot=lambda rs, o: plot(rs, o / "distill.png", cfg.teachers))
     save_int4(model, cfg.qat, out / "int4")
@@ -287,14 +289,14 @@ def train(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir, ranks: 
     return result
 
 
-def chain_parent(inputs: dict[str, Path], teacher_evals: dict[str, dict[str, float]], before: dict[str, float]
-                 ) -> dict[str, Any]:
+def chain_parent(inputs: dict[str, Path], teacher_evals: dict[str, dict[str, float]], before: dict[str, float],
+                 measured: dict[str, Any] | None = None) -> dict[str, Any]:
     """rl-general's gate chain, with any teacher stage it lacks filled in from the teachers'
     measured evals (a stage without gates.json, e.g. an rl-agentic built before the gates)."""
-    parent = gates.read_chain(inputs.get("rl-general")) or {"chain": [{"stage": "rl-general", "evals": before}],
+    parent = gates.read_chain(inputs.get("rl-general")) or {"chain": [gates.entry("rl-general", before, measured)],
                                                             "gates": {}}
     have = {c["stage"] for c in parent["chain"]}
-    missing = [{"stage": n, "evals": teacher_evals[n]} for n in TEACHERS if n in teacher_evals and n not in have]
+    missing = [gates.entry(n, teacher_evals[n], measured) for n in TEACHERS if n in teacher_evals and n not in have]
     return {"chain": missing + parent["chain"], "gates": parent["gates"]}
 
 

@@ -302,7 +302,8 @@ def _train(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workdir, rank
         if lead:
             engine.sync(model, 0)
             state.update(before=evaluate(engine, tokenizer, cfg, heldout, seed),
-                         gates_before=trainer.measure_gates(model, tokenizer, cfg.gates, seed))
+                         gates_before=trainer.measure_gates(model, tokenizer, cfg.gates, seed,
+                                                             (inputs["rl-reasoning"], "rl-reasoning")))
 
     pool = None
     if not cfg.synchronous and lead:
@@ -408,7 +409,7 @@ def _train(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workdir, rank
     result["trainer_ranks"] = ranks.world
     result["reward_recheck"] = reward_audit.summary(records, cfg.recheck_alert)
     gate = GateCheck(cfg.gates, state["gates_before"], trainer.measure_gates(model, tokenizer, cfg.gates, seed),
-                     "rl-reasoning", gates.read_chain(inputs.get("rl-reasoning")))
+                     "rl-reasoning", gates.read_chain(inputs.get("rl-reasoning")), seed)
     result["gates"] = trainer.publish("rl-agentic", workdir.out, records, model=model, tokenizer_dir=inputs["tokenize"],
                                       gate=gate, export_info={"reward_last": (result["reward"] or {}).get("last")})
     return result

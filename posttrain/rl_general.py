@@ -338,7 +338,8 @@ def train(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workdir, ranks
     if resumed is not None:
         start, before = resumed[0], resumed[1]["before"]
     else:
-        start, before = 0, trainer.measure_gates(model, tokenizer, cfg.gates, seed) if lead else {}
+        start, before = 0, trainer.measure_gates(model, tokenizer, cfg.gates, seed,
+                                                 (inputs["rl-agentic"], "rl-agentic")) if lead else {}
     with open_engine(cfg.rollout, model, tokenizer, stop_ids, pad_id, workdir.checkpoint / f"engine-rank{ranks.rank}",
                      int4=cfg.rollout_int4, batch_size=cfg.rollout_batch) as engine:
         trainer.run_steps("rl-general", policy, one_step, start=start, steps=cfg.steps, root=root, log_path=log_path,
@@ -354,7 +355,7 @@ def train(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workdir, ranks
         for s in last[: cfg.examples]:
             f.write(json.dumps({"prompt": s.task.prompt, "response": s.text, "rewards": s.rewards,
                                 "reward": s.reward, "status": s.status.value}) + "\n")
-    gate = GateCheck(cfg.gates, before, after, "rl-agentic", gates.read_chain(inputs.get("rl-agentic")))
+    gate = GateCheck(cfg.gates, before, after, "rl-agentic", gates.read_chain(inputs.get("rl-agentic")), seed)
     result["gates"] = trainer.publish("rl-general", workdir.out, records, model=model, tokenizer_dir=inputs["tokenize"],
                                       gate=gate, export_info={"reward_last": (result["reward"] or {}).get("last")},
                                       plot=lambda rs, out: plot(rs, out / "reward.png"))

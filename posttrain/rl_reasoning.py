@@ -287,7 +287,7 @@ def train(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir,
     records = metrics.read(log_path)
     result = summary(cfg, records, before, after)
     result["trainer_ranks"] = ranks.world
-    gate = GateCheck(cfg.gates, before["gates"], after["gates"], "sft", gates.read_chain(inputs.get("sft")))
+    gate = GateCheck(cfg.gates, before["gates"], after["gates"], "sft", gates.read_chain(inputs.get("sft")), seed)
     result["gates"] = trainer.publish(
         "rl-reasoning", workdir.out, records, model=model, tokenizer_dir=inputs["tokenize"], gate=gate,
         export_info={"heldout_before": result["heldout_accuracy"]["before"],

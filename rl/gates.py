@@ -23,7 +23,10 @@ never done. Long-context accuracy is not measured (the tiny models have 256-toke
 The chain: each gated stage's artifact holds gates.json = {"chain": [{"stage", "evals"}...],
 "gates": {stage: {eval: {before, after, tolerance, passed}}}}; a stage extends its parent's chain
 (or starts it with its parent's measured "before"), so the last stage's gates.md / gates.png show
-every eval across sft -> rl-reasoning -> rl-agentic -> rl-general -> distill.
+every eval across sft -> rl-reasoning -> rl-agentic -> rl-general -> distill. Each entry carries the
+`spec` it was measured under (eval settings, seed, MEASURE_VERSION): greedy evals of the same
+weights give the same numbers, so a stage takes its input model's evals from that artifact's own
+entry when the spec matches (`recorded`) instead of measuring them again.
 """
 from __future__ import annotations
 
@@ -41,6 +44,10 @@ from domains.task import Task
 from model.model import GLMModel
 from rl.judges import valid_tool_call
 from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
+
+# bumped whenever measure() changes what it computes: evals recorded under another version are
+# measured again, not reused
+MEASURE_VERSION = 1
 
 # eval name -> +1 (higher is better) or -1 (lower is better)
 EVALS: dict[str, int] = {"arithmetic_acc": 1, "gsm8k_acc": 1, "heldout_ppl": -1, "tool_call_validity": 1}
@@ -228,12 +235,31 @@ def read_chain(parent_dir: Optional[Path]) -> dict[str, Any] | None:
     return {"chain": chain, "gates": gates}
 
 
+def spec(cfg: GateEvalConfig, seed: int) -> dict[str, Any]:
+    """What a measurement depends on besides the weights."""
+    return {"version": MEASURE_VERSION, "seed": seed, **cfg.model_dump()}
+
+
+def entry(stage: str, evals: dict[str, float], measured: dict[str, Any] | None) -> dict[str, Any]:
+    return {"stage": stage, "evals": evals, **({"spec": measured} if measured is not None else {})}
+
+
+def recorded(chain: dict[str, Any] | None, stage: str, measured: dict[str, Any]) -> dict[str, float] | None:
+    """`stage`'s evals in a chain (read_chain) if they were measured under `measured` (spec())."""
+    for c in (chain or {}).get("chain", []):
+        if c.get("stage") == stage and c.get("spec") == measured:
+            return dict(c["evals"])
+    return None
+
+
 def extend(parent: dict[str, Any] | None, parent_name: str, stage: str, before: dict[str, float],
-           after: dict[str, float], stage_gates: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The parent's chain (or one starting with the parent's measured evals) plus this stage."""
+           after: dict[str, float], stage_gates: dict[str, dict[str, Any]],
+           measured: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The parent's chain (or one starting with the parent's measured evals) plus this stage;
+    `measured` (spec()) is recorded on the entries this stage measured."""
     if parent is None:
-        parent = {"chain": [{"stage": parent_name, "evals": before}], "gates": {}}
-    chain = [c for c in parent["chain"] if c["stage"] != stage] + [{"stage": stage, "evals": after}]
+        parent = {"chain": [entry(parent_name, before, measured)], "gates": {}}
+    chain = [c for c in parent["chain"] if c["stage"] != stage] + [entry(stage, after, measured)]
     return {"chain": chain, "gates": {**parent["gates"], stage: stage_gates}}
 
 
@@ -280,13 +306,13 @@ def plot(data: dict[str, Any], png: Path) -> None:
 
 
 def finish(stage: str, out: Path, parent: dict[str, Any] | None, parent_name: str, before: dict[str, float],
-           after: dict[str, float], tolerances: dict[str, float], n: Optional[dict[str, int]] = None
-           ) -> dict[str, Any]:
+           after: dict[str, float], tolerances: dict[str, float], n: Optional[dict[str, int]] = None,
+           measured: dict[str, Any] | None = None) -> dict[str, Any]:
     """Gate this stage, write gates.json / gates.md / gates.png into `out`, and raise GateError
     when a gate fails. `parent`: read_chain of the parent artifact (None: the chain starts with
-    `parent_name`'s measured `before`); `n`: counts() of the evals. Returns the chain's
-    {stage: {eval: {...}}} (status --json's `gates`)."""
-    data = extend(parent, parent_name, stage, before, after, gate(before, after, tolerances, n))
+    `parent_name`'s measured `before`); `n`: counts() of the evals; `measured`: their spec(). Returns
+    the chain's {stage: {eval: {...}}} (status --json's `gates`)."""
+    data = extend(parent, parent_name, stage, before, after, gate(before, after, tolerances, n), measured)
     out.mkdir(parents=True, exist_ok=True)
     (out / GATES_FILE).write_text(json.dumps(data, indent=1))
     md = table(data)

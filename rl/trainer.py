@@ -97,19 +97,30 @@ def load_policy(parent_dir: Path, parent: str, tokenizer, seed: int, threads: Op
     return model
 
 
-def measure_gates(model: GLMModel, tokenizer, cfg: GateConfig, seed: int) -> dict[str, float]:
+def measure_gates(model: GLMModel, tokenizer, cfg: GateConfig, seed: int,
+                  loaded_from: Optional[tuple[Optional[Path], str]] = None) -> dict[str, float]:
+    """The gate evals of `model`. loaded_from=(artifact, stage): the model is that stage's published
+    output, whose gates.json records its own evals; taken from there when measured the same way
+    (the same weights give the same greedy evals), else measured."""
+    if loaded_from is not None:
+        known = gates.recorded(gates.read_chain(loaded_from[0]), loaded_from[1], gates.spec(cfg.evals, seed))
+        if known is not None:
+            log.info("gates: %s's evals taken from its artifact (measured there the same way)", loaded_from[1])
+            return known
     return gates.measure(model, tokenizer, cfg.evals, seed)
 
 
 @dataclass(frozen=True)
 class GateCheck:
-    """A stage's gate: its evals before and after, against its parent's chain (rl.gates.finish)."""
+    """A stage's gate: its evals before and after (measured with `seed`), against its parent's chain
+    (rl.gates.finish)."""
 
     cfg: GateConfig
     before: dict[str, float]
     after: dict[str, float]
     parent_name: str
     parent_chain: Optional[dict[str, Any]] = None
+    seed: Optional[int] = None
 
 
 def publish(stage: str, out: Path, records: list[dict[str, Any]], *, model: Optional[GLMModel] = None,
@@ -130,7 +141,8 @@ def publish(stage: str, out: Path, records: list[dict[str, Any]], *, model: Opti
     gated = None
     if gate is not None:
         gated = gates.finish(stage, out, gate.parent_chain, gate.parent_name, gate.before, gate.after,
-                             gate.cfg.tolerances, gates.counts(gate.cfg.evals))
+                             gate.cfg.tolerances, gates.counts(gate.cfg.evals),
+                             None if gate.seed is None else gates.spec(gate.cfg.evals, gate.seed))
     if model is not None:
         export(model, out, str(tokenizer_dir) if tokenizer_dir else None, export_info or {})
     return gated

@@ -146,3 +146,30 @@ def test_distill_stage_chain_table_and_int4_export(tmp_path):
     for f in ("consolidated.safetensors", "int4/model_int4.safetensors", "export/int4/config.json", "gates.png",
               "gates.md", "distill.png"):
         assert (out / f).exists(), f
+
+
+def test_distill_takes_the_evals_its_inputs_recorded_and_measures_the_rest(tmp_path, monkeypatch):
+    """rl-general's gates.json records rl-reasoning, rl-agentic and rl-general measured the same way:
+    distill measures only the sft teacher (no gates.json) and its own result (full and INT4)."""
+    from rl import gates
+
+    tok = make_tokenizer()
+    inputs = artifacts(tmp_path / "in", tok, {"sft": 0, "rl-reasoning": 1, "rl-agentic": 2, "rl-general": 3})
+    evals = {"arithmetic": 4, "gsm8k": 2, "gsm8k_max_new_tokens": 4, "tool": 2, "tool_max_new_tokens": 4}
+    cfg = DistillConfig(steps=1, prompts_per_teacher=2, optim={"lr": 1e-3}, max_new_tokens=4, checkpoint_every=1,
+                        qat={"group_size": 16}, gates={"evals": evals, "tolerances": {}})
+    spec = gates.spec(cfg.gates.evals, 0)
+    planted = {n: {"arithmetic_acc": i / 10, "gsm8k_acc": 0.0, "heldout_ppl": 100.0 + i, "tool_call_validity": 0.5}
+               for i, n in enumerate(("sft", "rl-reasoning", "rl-agentic", "rl-general"))}
+    chain = None
+    for parent, stage in (("sft", "rl-reasoning"), ("rl-reasoning", "rl-agentic"), ("rl-agentic", "rl-general")):
+        gates.finish(stage, inputs[stage], chain, parent, planted[parent], planted[stage], {}, measured=spec)
+        chain = gates.read_chain(inputs[stage])
+    real, calls = gates.measure, []
+    monkeypatch.setattr(gates, "measure", lambda *a, **k: calls.append(1) or real(*a, **k))
+    m = run_distill(cfg, inputs, Workdir.at(tmp_path / "w", seed=0))
+    assert len(calls) == 3                                    # the sft teacher, after, INT4 after
+    got = {c["stage"]: c["evals"] for c in json.loads((tmp_path / "w" / "out" / "gates.json").read_text())["chain"]}
+    assert {n: got[n] for n in ("rl-reasoning", "rl-agentic", "rl-general")} == \
+           {n: planted[n] for n in ("rl-reasoning", "rl-agentic", "rl-general")}
+    assert m["gates"]["distill"]["arithmetic_acc"]["before"] == planted["rl-general"]["arithmetic_acc"]

@@ -71,3 +71,34 @@ def test_measure_returns_every_eval_in_range():
     assert set(ev) == set(gates.EVALS)
     assert all(0 <= ev[k] <= 1 for k in ("arithmetic_acc", "gsm8k_acc", "tool_call_validity"))
     assert 1 < ev["heldout_ppl"] < 10 * tok.get_vocab_size()     # a random model: about the vocab size
+
+
+def test_a_stage_takes_its_input_models_evals_from_that_artifact_when_measured_the_same_way(tmp_path, monkeypatch):
+    from model.hf import load_state, save_state
+    from rl import trainer
+    from tests.posttrain._chain import make_tokenizer
+    from tests.rl.conftest import small_model
+
+    tok = make_tokenizer()
+    cfg = GateConfig(evals=gates.GateEvalConfig(arithmetic=4, gsm8k=2, tool=2, gsm8k_max_new_tokens=4,
+                                                tool_max_new_tokens=4))
+    model = small_model(tok.get_vocab_size())
+    after = gates.measure(model, tok, cfg.evals, seed=5)
+    out = tmp_path / "rl-reasoning"
+    gates.finish("rl-reasoning", out, None, "sft", after, after, {}, measured=gates.spec(cfg.evals, 5))
+    save_state(model, out / "consolidated.safetensors")
+    reloaded = load_state(out / "consolidated.safetensors")
+    assert gates.measure(reloaded, tok, cfg.evals, seed=5) == after     # the premise: same weights, same evals
+
+    monkeypatch.setattr(gates, "measure", lambda *a, **k: pytest.fail("measured again"))
+    assert trainer.measure_gates(reloaded, tok, cfg, 5, (out, "rl-reasoning")) == after
+    measured = []
+    monkeypatch.setattr(gates, "measure", lambda m, t, c, seed: measured.append((c, seed)) or {"arithmetic_acc": 0.0})
+    trainer.measure_gates(reloaded, tok, cfg, 6, (out, "rl-reasoning"))                 # another seed
+    other = GateConfig(evals=cfg.evals.model_copy(update={"arithmetic": 8}))
+    trainer.measure_gates(reloaded, tok, other, 5, (out, "rl-reasoning"))               # other settings
+    trainer.measure_gates(reloaded, tok, cfg, 5, (tmp_path / "sft", "sft"))             # no gates.json
+    assert [s for _, s in measured] == [6, 5, 5]
+    monkeypatch.setattr(gates, "MEASURE_VERSION", gates.MEASURE_VERSION + 1)          # measure() changed
+    trainer.measure_gates(reloaded, tok, cfg, 5, (out, "rl-reasoning"))
+    assert len(measured) == 4
