@@ -290,7 +290,7 @@ def train(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir, ranks: 
 
 
 def chain_parent(inputs: dict[str, Path], teacher_evals: dict[str, dict[str, float]], before: dict[str, float],
-                 measured: dict[str, Any] | None = None) -> dict[str, Any]:
+                 measured: dict[str, Any]) -> dict[str, Any]:
     """rl-general's gate chain, with any teacher stage it lacks filled in from the teachers'
     measured evals (a stage without gates.json, e.g. an rl-agentic built before the gates)."""
     parent = gates.read_chain(inputs.get("rl-general")) or {"chain": [gates.entry("rl-general", before, measured)],

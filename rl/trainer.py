@@ -119,8 +119,8 @@ class GateCheck:
     before: dict[str, float]
     after: dict[str, float]
     parent_name: str
-    parent_chain: Optional[dict[str, Any]] = None
-    seed: Optional[int] = None
+    parent_chain: Optional[dict[str, Any]]
+    seed: int
 
 
 def publish(stage: str, out: Path, records: list[dict[str, Any]], *, model: Optional[GLMModel] = None,
@@ -141,8 +141,7 @@ def publish(stage: str, out: Path, records: list[dict[str, Any]], *, model: Opti
     gated = None
     if gate is not None:
         gated = gates.finish(stage, out, gate.parent_chain, gate.parent_name, gate.before, gate.after,
-                             gate.cfg.tolerances, gates.counts(gate.cfg.evals),
-                             None if gate.seed is None else gates.spec(gate.cfg.evals, gate.seed))
+                             gate.cfg.tolerances, gates.counts(gate.cfg.evals), gates.spec(gate.cfg.evals, gate.seed))
     if model is not None:
         export(model, out, str(tokenizer_dir) if tokenizer_dir else None, export_info or {})
     return gated
