@@ -86,10 +86,20 @@ def check_servable(model: GLMModel, cfg: VLLMConfig, on_gpu: bool) -> None:
                          "has on GPUs only; on CPU use checkpoint=dense_mla")
 
 
+def serving_config(cfg: VLLMConfig, on_gpu: bool) -> VLLMConfig:
+    """float32 on CPU pins vLLM's reference MLA backend: on CPUs with AMX vLLM picks AMX_MLA, which
+    refuses float32 weights (the same config failed on one machine and ran on another)."""
+    if not on_gpu and cfg.dtype == "float32" and cfg.attention_backend is None:
+        return cfg.model_copy(update={"attention_backend": "CPU_MLA"})
+    return cfg
+
+
 class VLLMEngine:
     def __init__(self, policy: GLMModel, tokenizer, stop_ids: list[int], cfg: VLLMConfig, root: Path,
                  int4: QATConfig | None = None, on_gpu: bool | None = None):
-        check_servable(policy, cfg, torch.cuda.is_available() if on_gpu is None else on_gpu)
+        on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+        check_servable(policy, cfg, on_gpu)
+        cfg = serving_config(cfg, on_gpu)
         if cfg.checkpoint == "dense_mla" and not policy.config.dense_attention:
             log.warning("vLLM serves this DSA model with dense attention: exact while prompt + response fit in "
                         "index_topk=%d tokens; beyond, the mismatch metric shows the difference",

@@ -54,6 +54,9 @@ class VLLMConfig(BaseModel):
         "the format the policy is published in: dense_mla (DeepSeek-V3's architecture, indexer dropped: vLLM "
         "serves it on CPU and GPU) or glm_moe_dsa (GLM-5's sparse attention: vLLM on GPUs)"))
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    attention_backend: Optional[str] = Field(None, description=(
+        "vLLM's --attention-backend (null: vLLM's choice, except float32 on CPU: CPU_MLA, because on CPUs with "
+        "AMX vLLM picks AMX_MLA, which refuses float32 weights at start-up)"))
     max_model_len: int = Field(2048, ge=16, description="prompt + response tokens per sequence")
     max_num_seqs: int = Field(64, ge=1, description="sequences the server batches at once")
     extra_args: list[str] = Field([], description="more `vllm serve` arguments, e.g. --tensor-parallel-size 8")
@@ -112,6 +115,8 @@ class VLLMServer:
                "--skip-tokenizer-init", "--tokens-only", "--worker-extension-cls", EXTENSION_CLS,
                # log-probs of the distribution sampled from (temperature applied), as the trainer computes them
                "--logprobs-mode", "processed_logprobs"]
+        if c.attention_backend:
+            cmd += ["--attention-backend", c.attention_backend]
         return cmd + (["--enforce-eager"] if c.enforce_eager else []) + list(c.extra_args)
 
     def start(self) -> None:

@@ -89,6 +89,17 @@ def test_server_environment_carries_no_credentials(monkeypatch):
     assert "--tokens-only" in cmd and vllm_server.EXTENSION_CLS in cmd and "processed_logprobs" in cmd
 
 
+def test_float32_on_cpu_asks_for_the_reference_mla_backend():
+    """vLLM picks AMX_MLA on CPUs with AMX, and AMX_MLA refuses float32 weights at start-up."""
+    from rl.vllm_engine import serving_config
+    cmd = VLLMServer(serving_config(VLLMConfig(), on_gpu=False), Path("/m"), Path("/l")).command(1234)
+    assert cmd[cmd.index("--attention-backend") + 1] == "CPU_MLA"
+    for cfg, on_gpu in ((VLLMConfig(), True), (VLLMConfig(dtype="bfloat16"), False)):
+        assert "--attention-backend" not in VLLMServer(serving_config(cfg, on_gpu), Path("/m"), Path("/l")).command(1)
+    chosen = VLLMConfig(attention_backend="AMX_MLA", dtype="bfloat16")
+    assert serving_config(chosen, on_gpu=False).attention_backend == "AMX_MLA"
+
+
 def test_a_missing_vllm_environment_is_named(tmp_path):
     server = VLLMServer(VLLMConfig(python=str(tmp_path / "nope" / "python")), tmp_path, tmp_path / "log")
     with pytest.raises(EngineFailed, match="make vllm-setup"):
