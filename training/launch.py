@@ -1,7 +1,7 @@
 """Starting the ranks, and the entry point each rank runs.
 
 Parent side (the stage's process): `run_ranks(spec, launch_cfg, spec_path, on_line)` writes the
-spec, starts `torchrun` (or the DeepSpeed launcher) on `python -m training.launch SPEC`, streams
+spec, starts `torchrun` (or the DeepSpeed launcher; a single rank alone) on `python -m training.launch SPEC`, streams
 the ranks' output line by line into logging (logger "glmforge") and to `on_line`, and turns a
 failure into `TrainingFailed` naming the rank, its exit code and the last output lines, so the
 caller's retry policy retries and the retry resumes from the checkpoint. A stop signal to the
@@ -49,7 +49,11 @@ def free_port() -> int:
 
 def command(cfg: LaunchConfig, spec_path: Path, port: int, module: str = "training.launch") -> list[str]:
     """The launcher command line for this config (same config on a laptop and a cluster): every
-    rank runs `python -m MODULE SPEC` (training.launch; rl.launch for the RL stages)."""
+    rank runs `python -m MODULE SPEC` (training.launch; rl.launch for the RL stages). One rank
+    on one node is started as itself (run_ranks sets the variables torchrun would): torchrun's own
+    start-up costs ~3 s of a core per stage, and it supervises nothing a single rank needs."""
+    if single_rank(cfg):
+        return [sys.executable, "-m", module, str(spec_path)]
     if cfg.launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run",
                 f"--nproc_per_node={cfg.nproc_per_node}", f"--nnodes={cfg.nnodes}",
@@ -63,6 +67,10 @@ def command(cfg: LaunchConfig, spec_path: Path, port: int, module: str = "traini
     if cfg.hostfile:
         cmd += [f"--hostfile={cfg.hostfile}", f"--num_nodes={cfg.nnodes}"]
     return cmd + ["--module", module, str(spec_path)]
+
+
+def single_rank(cfg: LaunchConfig) -> bool:
+    return cfg.launcher == "torchrun" and cfg.world_size == 1
 
 
 def node_commands(cfg: LaunchConfig, spec_path: Path) -> list[list[str]]:
@@ -87,7 +95,7 @@ def hostfile_text(hosts: list[str], cfg: LaunchConfig) -> str:
     return "".join(f"{h} slots={cfg.nproc_per_node}\n" for h in hosts)
 
 
-def _failure(rc: int, tail: deque) -> str:
+def _failure(rc: int, tail: deque, single: bool = False) -> str:
     """What failed, from torchrun's error summary ("Root Cause ... rank : 1 (local_rank: 1)",
     "exitcode : -9"), and the ranks' last lines before torchrun's own report."""
     lines = list(tail)
@@ -108,6 +116,8 @@ def _failure(rc: int, tail: deque) -> str:
         code = int(ds[0][1])
         how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
         who = f"local rank {ds[0][0]} failed ({how})"
+    elif single:
+        who = f"rank 0 failed ({f'killed by signal {-rc}' if rc < 0 else f'exit code {rc}'})"
     elif rc < 0:
         who = f"the launcher was killed by signal {-rc}"
     else:
@@ -139,6 +149,9 @@ def run_ranks(spec: RankSpec, cfg: LaunchConfig, spec_path: Path,
         # torchrun gives each rank 1 thread, the DeepSpeed launcher nothing: share the cores
         # out so ranks do not oversubscribe them (a 5-20x slowdown on a small machine).
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node)))
+    if single_rank(cfg):
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
+                   MASTER_ADDR=cfg.master_addr or "127.0.0.1", MASTER_PORT=str(port))
     cmd = command(cfg, spec_path, port, module)
     log.info("launching %d rank(s): %s", cfg.world_size, " ".join(cmd))
     tail: deque[str] = deque(maxlen=TAIL_LINES)
@@ -190,7 +203,7 @@ def run_ranks(spec: RankSpec, cfg: LaunchConfig, spec_path: Path,
                f"no new checkpoint (launcher exit status {rc}); the previous one stands")
         )
     if rc != 0:
-        raise TrainingFailed(_failure(rc, tail))
+        raise TrainingFailed(_failure(rc, tail, single_rank(cfg)))
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -202,7 +215,7 @@ def rank_pids(launcher_pid: int, module: str = "training.launch") -> list[int]:
     """The rank processes under a launcher (torchrun's workers, the DeepSpeed launcher's
     children): `-m MODULE` processes that are not a launcher themselves."""
     found = []
-    for pid in shutdown.descendants(launcher_pid):
+    for pid in [launcher_pid, *shutdown.descendants(launcher_pid)]:    # a single rank is its own launcher
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:

@@ -95,7 +95,10 @@ def test_launch_validation_and_commands(tmp_path):
     # without master_addr the DeepSpeed launcher takes the hostfile's first host
     cmd = command(LaunchConfig(launcher="deepspeed", hostfile="h", nnodes=2, master_port=29500), tmp_path / "s.json", 29500)
     assert not any(c.startswith("--master_addr") for c in cmd)
-    assert "--master_addr=127.0.0.1" in command(LaunchConfig(), tmp_path / "s.json", 1)
+    assert "--master_addr=127.0.0.1" in command(LaunchConfig(nproc_per_node=2), tmp_path / "s.json", 1)
+    # one rank on one node runs as itself (run_ranks gives it torchrun's variables)
+    assert command(LaunchConfig(), tmp_path / "s.json", 1)[1:] == ["-m", "training.launch", str(tmp_path / "s.json")]
+    assert "--module" in command(LaunchConfig(launcher="deepspeed"), tmp_path / "s.json", 1)
 
 
 def test_steps_from_token_budget():
@@ -203,3 +206,6 @@ def test_failure_messages_name_the_rank():
     msg = _failure(1, ds)
     assert "local rank 1 failed (exit code 1)" in msg and "RuntimeError: bad" in msg
     assert "launcher was killed by signal 9" in _failure(-9, deque(["x"]))
+    alone = _failure(-9, deque(["step 3", "RuntimeError: late"]), single=True)     # one rank, no launcher
+    assert alone.startswith("training failed: rank 0 failed (killed by signal 9)") and "RuntimeError: late" in alone
+    assert "rank 0 failed (exit code 1)" in _failure(1, deque(["x"]), single=True)
