@@ -298,11 +298,14 @@ def test_a_group_size_the_model_cannot_take_fails_before_training(packed, tmp_pa
 
 
 def test_sft_stage_with_qat_checkpoints_resumes_and_reports_int4(packed, tmp_path, caplog):
+    """With fake quantization from step 2 of 4 the baseline trains steps 1-2 once and the QAT run
+    continues from its checkpoint: step for step the QAT run that trained its own first steps
+    (ptq_baseline off, nothing to share). Then the QAT run resumes from a lost last checkpoint."""
     parent = tmp_path / BASE
     save_state(_model(), parent / "consolidated.safetensors")
     inputs = {BASE: parent, "tokenize": packed["tokenize"]}
     wd = Workdir.at(tmp_path / "sft", seed=3)
-    cfg = _config()
+    cfg = _config(qat_start_fraction=0.5)
     with caplog.at_level(logging.INFO, logger="glmforge"):
         result = run_sft(cfg, inputs, wd)
     q = result["quantization"]
@@ -325,6 +328,17 @@ def test_sft_stage_with_qat_checkpoints_resumes_and_reports_int4(packed, tmp_pat
     assert "quantization_config" in (wd.out / "export/int4/config.json").read_text()
     assert (wd.checkpoint / "baseline/out/consolidated.safetensors").is_file()
 
+    # the branch: the baseline's first steps are the QAT run's, then fake INT4 from step 3 on
+    baseline = metrics.read(wd.checkpoint / "baseline/checkpoint/metrics.jsonl")
+    assert [r["step"] for r in baseline] == [1, 2, 3, 4] and result["resumed_from_step"] == 2
+    assert [r["loss"] for r in first[:2]] == [r["loss"] for r in baseline[:2]]
+    assert first[2]["loss"] != baseline[2]["loss"]
+    alone = Workdir.at(tmp_path / "alone", seed=3)
+    run_sft(cfg.model_copy(update={"ptq_baseline": False, "eval_gsm8k": 0}), inputs, alone)
+    assert [r["loss"] for r in first] == [r["loss"] for r in metrics.read(alone.checkpoint / "metrics.jsonl")]
+    a, c = (load_state(w.out / "consolidated.safetensors").state_dict() for w in (wd, alone))
+    assert all(torch.equal(a[k], c[k]) for k in a)
+
     # resume: lose the last checkpoint, run again -> continues from step 2, same steps 3-4
     import shutil
     shutil.rmtree(wd.checkpoint / checkpoint.tag_for(4))
@@ -335,32 +349,9 @@ def test_sft_stage_with_qat_checkpoints_resumes_and_reports_int4(packed, tmp_pat
     assert "resuming from checkpoint" in caplog.text and again["resumed_from_step"] == 2
     second = metrics.read(wd.checkpoint / "metrics.jsonl")
     assert [r["step"] for r in second] == [1, 2, 3, 4]
-    for a, c in zip(first, second):
-        assert a["loss"] == c["loss"] and a["lm"] == c["lm"], a["step"]
+    for x, y in zip(first, second):
+        assert x["loss"] == y["loss"] and x["lm"] == y["lm"], x["step"]
     assert again["quantization"]["full"]["ppl"] == q["full"]["ppl"]
-
-
-def test_the_qat_run_branches_from_the_baselines_shared_steps(packed, tmp_path):
-    """With fake quantization from step 2 of 4, the baseline trains steps 1-2 once and the QAT
-    run continues from its checkpoint: the same run, step for step, as a QAT run that trained
-    its own first steps (ptq_baseline off, nothing to share)."""
-    parent = tmp_path / BASE
-    save_state(_model(), parent / "consolidated.safetensors")
-    inputs = {BASE: parent, "tokenize": packed["tokenize"]}
-    cfg = _config(qat_start_fraction=0.5, eval_gsm8k=0)
-    wd = Workdir.at(tmp_path / "branched", seed=3)
-    result = run_sft(cfg, inputs, wd)
-    alone = Workdir.at(tmp_path / "alone", seed=3)
-    run_sft(cfg.model_copy(update={"ptq_baseline": False}), inputs, alone)
-    branched, own = (metrics.read(w.checkpoint / "metrics.jsonl") for w in (wd, alone))
-    baseline = metrics.read(wd.checkpoint / "baseline/checkpoint/metrics.jsonl")
-    assert [r["step"] for r in branched] == [r["step"] for r in baseline] == [1, 2, 3, 4]
-    assert [r["loss"] for r in branched] == [r["loss"] for r in own]
-    assert [r["loss"] for r in branched[:2]] == [r["loss"] for r in baseline[:2]]
-    assert branched[2]["loss"] != baseline[2]["loss"]                     # fake INT4 from step 3 on
-    assert result["resumed_from_step"] == 2
-    a, b = (load_state(w.out / "consolidated.safetensors").state_dict() for w in (wd, alone))
-    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_seed_pairs_and_fact_recall_give_the_quantization_spread(packed, tokenizer, tmp_path, caplog):
