@@ -1,12 +1,12 @@
 """Starting the ranks, and the entry point each rank runs.
 
 Parent side (the stage's process): `run_ranks(spec, launch_cfg, spec_path, on_line)` writes the
-spec, starts `torchrun` (or the DeepSpeed launcher; a single rank alone) on `python -m training.launch SPEC`, streams
-the ranks' output line by line into logging (logger "glmforge") and to `on_line`, and turns a
-failure into `TrainingFailed` naming the rank, its exit code and the last output lines, so the
-caller's retry policy retries and the retry resumes from the checkpoint. A stop signal to the
-stage (SIGTERM/SIGINT, see glmforge.shutdown) is passed to the ranks, which finish the step,
-checkpoint and exit; `run_ranks` then raises `Preempted`.
+spec, starts `torchrun` (or the DeepSpeed launcher; one rank on one node alone) on
+`python -m training.launch SPEC`, streams the ranks' output line by line into logging (logger
+"glmforge") and to `on_line`, and turns a failure into `TrainingFailed` naming the rank, its exit
+code and the last output lines, so the caller's retry policy retries and the retry resumes from
+the checkpoint. A stop signal to the stage (SIGTERM/SIGINT, see glmforge.shutdown) is passed to
+the ranks, which finish the step, checkpoint and exit; `run_ranks` then raises `Preempted`.
 
 Rank side: `python -m training.launch SPEC` reads the spec and runs training.loop.train.
 
@@ -108,16 +108,15 @@ def _failure(rc: int, tail: deque, single: bool = False) -> str:
     quoted = lines[max(0, agent - QUOTE_LINES):agent] or lines[-QUOTE_LINES:]
     # the DeepSpeed launcher: "[... '--local_rank=1', ...] exits with return code = -9"
     ds = re.findall(r"--local_rank=(\d+)'.*exits with return code = (-?\d+)", text)
+    def how(code: int) -> str:
+        return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
     if ranks:
-        code = int(codes[0]) if codes else rc
-        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-        who = f"rank {ranks[0]} failed ({how})"
+        who = f"rank {ranks[0]} failed ({how(int(codes[0]) if codes else rc)})"
     elif ds:
-        code = int(ds[0][1])
-        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-        who = f"local rank {ds[0][0]} failed ({how})"
-    elif single:
-        who = f"rank 0 failed ({f'killed by signal {-rc}' if rc < 0 else f'exit code {rc}'})"
+        who = f"local rank {ds[0][0]} failed ({how(int(ds[0][1]))})"
+    elif single:        # the rank was the launched process: its own status
+        who = f"rank 0 failed ({how(rc)})"
     elif rc < 0:
         who = f"the launcher was killed by signal {-rc}"
     else:

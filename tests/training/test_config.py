@@ -209,3 +209,23 @@ def test_failure_messages_name_the_rank():
     alone = _failure(-9, deque(["step 3", "RuntimeError: late"]), single=True)     # one rank, no launcher
     assert alone.startswith("training failed: rank 0 failed (killed by signal 9)") and "RuntimeError: late" in alone
     assert "rank 0 failed (exit code 1)" in _failure(1, deque(["x"]), single=True)
+
+
+def test_a_single_rank_is_its_own_launcher_for_stop_signals():
+    """run_ranks forwards a stop to rank_pids(launched pid); one rank on one node is the launched
+    process itself (no torchrun above it), so it must be among them, and a launcher never is."""
+    import subprocess
+    import sys
+
+    from training.launch import rank_pids
+
+    sleep = "import time; time.sleep(30)"
+    alone = subprocess.Popen([sys.executable, "-c", sleep, "-m", "training.launch", "spec.json"])
+    launcher = subprocess.Popen([sys.executable, "-c", sleep, "torch.distributed.run", "-m", "training.launch"])
+    try:
+        assert rank_pids(alone.pid) == [alone.pid]
+        assert rank_pids(launcher.pid) == []
+    finally:
+        for p in (alone, launcher):
+            p.kill()
+            p.wait()
