@@ -50,16 +50,8 @@ def test_stage_deployments_with_parents_run_on_a_process_worker(served, tiny_run
     shown = _stage(_status(served.home, "--run", tiny_run.run_id), "dedup-exact")
     assert shown["state"] == "cached" and shown["key"] == tiny_run.keys["dedup-exact"]
 
-    # pretrain with fewer steps: a new key, its parents (pack, tokenize) reused, trained now
-    deployment_run("stage-pretrain", {"preset": "tiny", "overrides": [*FAST, "pretrain.max_steps=2"], "store": store})
-    latest = _status(served.home)
-    assert [s["name"] for s in latest["stages"]] == ["pretrain"] and latest["run"]["state"] == "completed"
-    shown = _stage(latest, "pretrain")
-    assert shown["state"] == "done" and shown["key"] != tiny_run.keys["pretrain"]
-    assert shown["metrics"]["steps"] == 2 and shown["metrics"]["resumed_from_step"] == 0
-    assert shown["artifact"].endswith(f"artifacts/pretrain/{shown['key']}")
-
-    _preempted_run_is_rerun_by_the_automation(served, store)
+    # pretrain with more steps (a new key, its parents reused), preempted, rerun by the automation
+    _preempted_run_is_rerun_by_the_automation(served, store, tiny_run.keys["pretrain"])
 
 
 def _flow_runs(served, deployment: str) -> list[dict]:
@@ -83,8 +75,8 @@ def _flow_run_process(serve_pid: int, flow_run_id: str):
     return None
 
 
-def _preempted_run_is_rerun_by_the_automation(served, store: str) -> None:
-    steps = 40
+def _preempted_run_is_rerun_by_the_automation(served, store: str, published_key: str) -> None:
+    steps = 16
     params = {"preset": "tiny", "overrides": [*FAST, f"pretrain.max_steps={steps}", "pretrain.checkpoint_every=2"],
               "store": store}
     t0 = time.time()
@@ -119,6 +111,10 @@ def _preempted_run_is_rerun_by_the_automation(served, store: str) -> None:
     assert runs[1]["state_type"] == "COMPLETED" and runs[1]["parameters"]["preemptions"] == 1, (states, logs())
     assert {k: runs[1]["parameters"][k] for k in params} == params and runs[1]["parameters"]["stage"] == "pretrain"
 
-    shown = _stage(_status(home), "pretrain")
-    assert shown["state"] == "done" and shown["metrics"]["steps"] == steps
+    latest = _status(home)
+    assert [s["name"] for s in latest["stages"]] == ["pretrain"] and latest["run"]["state"] == "completed"
+    shown = _stage(latest, "pretrain")
+    assert shown["state"] == "done" and shown["key"] != published_key
+    assert shown["artifact"].endswith(f"artifacts/pretrain/{shown['key']}")
+    assert shown["metrics"]["steps"] == steps
     assert 2 <= shown["metrics"]["resumed_from_step"] < steps, shown["metrics"]
