@@ -28,8 +28,8 @@ def test_sweep_tabulates_each_seeds_run(tiny_run, tmp_path):
     saved = json.loads((tmp_path / "sweep-tiny-seeds-1234.json").read_text())
     (label, measured), = saved["runs"].items()
     assert label.startswith("seed 1234 (")
-    # what the tiny run measures: every RL stage's effect (its long-context and QAT comparisons
-    # are cut from FAST: dsa-adapt without baselines, sft without the PTQ baseline)
+    # what the tiny run measures: every RL stage's effect (tiny has no long-context or QAT
+    # comparison: dsa-adapt without baselines, sft without the PTQ baseline)
     # (reasoning_heldout_gain is None when both greedy accuracies sit at 0 or 1: no standard error)
     for name in ("reasoning_reward_gain", "agentic_heldout_gain", "reward_model_accuracy", "general_verified_gain"):
         assert isinstance(measured[name]["value"], float), name
