@@ -13,7 +13,7 @@ export DS_ACCELERATOR := cpu
 # wheel folders pip is told of (PIP_FIND_LINKS or pip.conf's find-links, where a machine keeps its
 # CPU torch) are handed to it.
 UV_VERSION := 0.13.9
-FIND_LINKS := $(or $(PIP_FIND_LINKS),$(shell python3 -m pip config get global.find-links 2>/dev/null))
+FIND_LINKS = $(or $(PIP_FIND_LINKS),$(shell python3 -m pip config get global.find-links 2>/dev/null))
 export UV_LINK_MODE := copy
 UV_INSTALL = $(1)/bin/uv pip install -q --compile-bytecode --python $(1)/bin/python $(foreach d,$(FIND_LINKS),--find-links $(d))
 
