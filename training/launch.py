@@ -108,6 +108,7 @@ def _failure(rc: int, tail: deque, single: bool = False) -> str:
     quoted = lines[max(0, agent - QUOTE_LINES):agent] or lines[-QUOTE_LINES:]
     # the DeepSpeed launcher: "[... '--local_rank=1', ...] exits with return code = -9"
     ds = re.findall(r"--local_rank=(\d+)'.*exits with return code = (-?\d+)", text)
+
     def how(code: int) -> str:
         return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 
