@@ -103,11 +103,16 @@ def _list_files(src: SourceConfig) -> list[str]:
     if p.is_file():
         return [str(p)]
     if p.is_dir():
-        return [
-            str(f)
-            for f in sorted(p.rglob("*"), key=lambda f: f.relative_to(p).as_posix())
-            if f.is_file() and fnmatch.fnmatch(f.name, src.include)
-        ]
+        # os.walk, matching names before any stat: rglob("*") stats every entry, which took
+        # 2.3 s on the Python standard library (13k files), on every stage key computed.
+        found = []
+        for folder, _, names in os.walk(p):
+            rel = Path(folder).relative_to(p).as_posix()
+            for name in fnmatch.filter(names, src.include):
+                f = os.path.join(folder, name)
+                if os.path.isfile(f):
+                    found.append((name if rel == "." else f"{rel}/{name}", f))
+        return [f for _, f in sorted(found)]
     raise FileNotFoundError(f"ingest source {src.name!r}: input {path!r} does not exist")
 
 

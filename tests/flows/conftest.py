@@ -128,10 +128,24 @@ def served(tiny_run, tmp_path_factory) -> Served:
             assert time.monotonic() < deadline, f"glmforge serve not ready after 300 s:\n{log.read_text()[-4000:]}"
             time.sleep(1)
         yield Served(base, f"{base}/api", {**env, "PREFECT_API_URL": f"{base}/api"}, home, log, pool, proc.pid)
-    finally:
-        proc.send_signal(signal.SIGINT)  # Ctrl-C: serve stops its worker and server itself
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    except BaseException:
+        proc.kill()
+        raise
+    # Stopped as a pod is (SIGTERM): serve stops its worker and server itself, and leaves no
+    # process, no session and no open port behind (checked here rather than by a serve of its own)
+    from glmforge import shutdown
+    from tests._processes import alive, port_open, session_members
+
+    descendants = shutdown.descendants(proc.pid)
+    sessions = {pid for pid in descendants if os.getsid(pid) == pid}   # the server's and the worker's
+    assert len(sessions) >= 2 and port_open(port), descendants
+    proc.send_signal(signal.SIGTERM)
+    try:
+        rc = proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert rc == 0 and "stopping" in log.read_text(errors="replace"), log.read_text(errors="replace")[-3000:]
+    assert [pid for pid in descendants if alive(pid)] == []
+    assert all(session_members(s) == [] for s in sessions)
+    assert not port_open(port)

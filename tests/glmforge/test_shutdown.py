@@ -1,7 +1,7 @@
 """glmforge.shutdown and its users: SIGTERM handled like Ctrl-C, child process groups stopped
 with a SIGKILL fallback, the preemption guard (flag, second signal, grace period), run records
 that always end completed/failed/interrupted and never show a dead run as running, and SIGTERM
-to the real commands (serve, run, curate) leaving no process and no port behind."""
+to the real commands (run, curate; serve in tests/flows/conftest.py) leaving no process behind."""
 from __future__ import annotations
 
 import datetime as dt
@@ -22,6 +22,7 @@ from glmforge.config import load_config
 from glmforge.pipeline import STAGES, get_stage
 from glmforge.runner import Heartbeat, Runner, RunRecord, execute
 from glmforge.store import open_store
+from tests._processes import alive as _alive
 
 REPO = Path(__file__).resolve().parents[2]
 GLMFORGE = str(Path(sys.executable).parent / "glmforge")
@@ -43,14 +44,6 @@ def _wait_line(proc: subprocess.Popen, text: str, timeout: float = 60) -> str:
         if text in line:
             return "".join(seen)
     raise AssertionError(f"no {text!r} in {''.join(seen)[-2000:]!r}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 # ---------------------------------------------------------------- signals in a command process
@@ -220,46 +213,8 @@ def test_a_running_record_whose_process_is_gone_shows_interrupted(runner):
 
 
 # ---------------------------------------------------------------- the commands
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _port_open(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _session_members(sid: int) -> list[int]:
-    """Live processes in session sid or in a session led by one of its descendants."""
-    out = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                f = (p / "stat").read_text().rpartition(")")[2].split()
-            except OSError:
-                continue
-            if f[0] != "Z" and int(f[3]) == sid:
-                out.append(int(p.name))
-    return out
-
-
-def test_sigterm_to_serve_stops_server_and_worker_and_frees_the_port(tmp_path):
-    port = _free_port()
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "GLMFORGE_HOME": str(tmp_path / "home")}
-    proc = subprocess.Popen([GLMFORGE, "serve", "--port", str(port), "--pool", "sigterm-test"], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out = _wait_line(proc, "Prefect UI:", timeout=240)
-    descendants = shutdown.descendants(proc.pid)
-    sessions = {pid for pid in descendants if os.getsid(pid) == pid}   # the server's and the worker's
-    assert len(sessions) >= 2 and _port_open(port), out
-    proc.send_signal(signal.SIGTERM)
-    out += proc.communicate(timeout=90)[0]
-    assert proc.returncode == 0 and "stopping" in out
-    assert [pid for pid in descendants if _alive(pid)] == []
-    assert all(_session_members(s) == [] for s in sessions)
-    assert not _port_open(port)
+# SIGTERM to `glmforge serve` (server and worker stopped, no process, session or open port left):
+# checked where the suite's one serve stops, tests/flows/conftest.py's `served` fixture.
 
 
 def test_sigterm_to_run_and_resume_ends_the_run_record_interrupted_and_leaves_no_child(tmp_path):
