@@ -327,6 +327,8 @@ def run_sft(cfg: SFTConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[s
         quantized_modules(GLMModel(model_cfg), cfg.qat)
     tok_dir = Path(inputs["tokenize"])
     tokenizer = load_tokenizer(tok_dir)
+    if cfg.eval_facts:   # before any training: the fact table's ids must exist in the model
+        synthetic.check_vocab(model_cfg.vocab_size, tokenizer.get_vocab_size(), "sft.eval_facts")
     data_dir, data_stats = _data(cfg, tokenizer, workdir)
 
     result, quant = _train_and_quantize(cfg, model_cfg, init, data_dir, tok_dir, tokenizer, workdir)

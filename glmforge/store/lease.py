@@ -118,10 +118,13 @@ class Lease:
                 self.holder = rec
                 return False
         self.generation = 0 if top is None else top + 1
+        # Live before it exists: a thread of this process that reads the new record at once must
+        # not take it for an earlier attempt's leftover (is_stale) and supersede it.
+        _LIVE_OWNERS.add(self.owner)
         if not self.store.create_exclusive(self._key(self.generation), self._record()):
+            _LIVE_OWNERS.discard(self.owner)
             self.generation = None
             return False
-        _LIVE_OWNERS.add(self.owner)
         for older in gens:  # superseded generations: only the top one matters
             self.store.delete_prefix(self._key(older))
         return True

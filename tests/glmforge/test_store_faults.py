@@ -282,6 +282,27 @@ def test_lease_exclusive_release_and_timeout(store):
     assert [k.rsplit("/", 1)[1] for k in store.list("leases/s/k/")] == ["0000000001"]  # old generations cleaned
 
 
+def test_a_lease_just_created_by_another_thread_is_not_taken_for_a_leftover(tmp_path):
+    """The race above, made certain: thread A has created its generation and not yet returned when
+    thread B (same process, same pid) reads it. B must see a live holder, not an earlier attempt
+    of this process that never released (which B would supersede: two winners)."""
+    store = LocalStore(tmp_path / "store")
+    a, b = Lease(store, "race/window", ttl=30), Lease(store, "race/window", ttl=30)
+    create = store.create_exclusive
+    b_won = []
+
+    def create_then_b_looks(key, data):
+        made = create(key, data)
+        if made and not b_won:
+            b_won.append(b.try_acquire())
+        return made
+
+    store.create_exclusive = create_then_b_looks
+    assert a.try_acquire()
+    assert b_won == [False] and b.holder["owner"] == a.owner
+    a.release()
+
+
 def test_lease_race_has_one_winner(store):
     for round_ in range(3):
         leases = [Lease(store, f"race/{round_}", ttl=30) for _ in range(6)]

@@ -378,10 +378,11 @@ def test_seed_pairs_and_fact_recall_give_the_quantization_spread(packed, tokeniz
     assert sp["mean"] == pytest.approx(sum(sp["values"]) / 2)
     assert sp["std"] == pytest.approx(abs(sp["values"][0] - sp["values"][1]) / math.sqrt(2))
     assert "over 2 seeds" in caplog.text
-    with pytest.raises(ValueError, match="reserved ids"):     # a model without the reserved ids
-        save_state(_model(), tmp_path / "plain" / "consolidated.safetensors")
+    save_state(_model(), tmp_path / "plain" / "consolidated.safetensors")
+    with pytest.raises(ValueError, match="reserved ids"):     # a model without the reserved ids, before training
         run_sft(_config(max_steps=2, checkpoint_every=2, eval_facts=2, eval_gsm8k=0, ptq_baseline=False),
                 {BASE: tmp_path / "plain", "tokenize": packed["tokenize"]}, Workdir.at(tmp_path / "sft2"))
+    assert not (tmp_path / "sft2" / "checkpoint" / "metrics.jsonl").exists()
 
 
 def test_fact_summary_is_the_ptq_cost_and_qat_share_on_the_facts():
