@@ -228,7 +228,7 @@ def train(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir, ranks: 
     stop_ids = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
     pad_id = tokenizer.token_to_id("<|pad|>")
     pools = {n: domain_prompts(n, cfg, seed) for n in cfg.teachers}
-    root, log_path = workdir.checkpoint / "ckpt", workdir.checkpoint / "metrics.jsonl"
+    root, log_path = workdir.checkpoint / trainer.CHECKPOINTS, workdir.checkpoint / "metrics.jsonl"
 
     found = checkpoint.select_resume(root)          # before QAT: the gates measure the model as given
     before, teacher_evals = {}, {}

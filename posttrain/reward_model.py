@@ -289,7 +289,7 @@ def train(cfg: RewardModelConfig, inputs: dict[str, Path], workdir: Workdir, ran
     enc = lambda ps, side: [pair_text_ids(tokenizer, p.prompt, getattr(p, side), cfg.max_len) for p in ps]  # noqa: E731
     tr_c, tr_r = enc(train, "chosen"), enc(train, "rejected")
     he_c, he_r, kinds = enc(held, "chosen"), enc(held, "rejected"), [p.kind for p in held]
-    root, log_path = workdir.checkpoint / "ckpt", workdir.checkpoint / "metrics.jsonl"
+    root, log_path = workdir.checkpoint / trainer.CHECKPOINTS, workdir.checkpoint / "metrics.jsonl"
     policy = trainer.policy_for(rm, cfg.optim, None, ranks, cfg.parallel.zero_stage)
     opt = policy.optimizer
     resumed = trainer.load_latest(root, policy, log_path, "reward-model")

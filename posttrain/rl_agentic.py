@@ -283,7 +283,7 @@ def _train(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workdir, rank
                                                workdir.checkpoint / f"engine-rank{ranks.rank}", int4=cfg.rollout_int4,
                                                batch_size=cfg.rollout_batch))
     on_vllm = cfg.rollout.backend == "vllm"
-    ckpt_root, log_path = workdir.checkpoint / "ckpt", workdir.checkpoint / "metrics.jsonl"
+    ckpt_root, log_path = workdir.checkpoint / trainer.CHECKPOINTS, workdir.checkpoint / "metrics.jsonl"
     weights_dir = workdir.checkpoint / "weights"
     B = cfg.prompts_per_step * cfg.group_size
 

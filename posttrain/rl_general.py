@@ -304,7 +304,7 @@ def train(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workdir, ranks
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
     params = UpdateParams(cfg.eps_low, cfg.eps_high, cfg.icepop_beta, cfg.minibatches, cfg.epochs,
                           cfg.temperature, cfg.std_normalize, cfg.optim.grad_clip, cfg.policy_loss)
-    root, log_path = workdir.checkpoint / "ckpt", workdir.checkpoint / "metrics.jsonl"
+    root, log_path = workdir.checkpoint / trainer.CHECKPOINTS, workdir.checkpoint / "metrics.jsonl"
     last: list[Sample] = []
 
     def one_step(step: int) -> dict[str, Any]:

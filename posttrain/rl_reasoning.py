@@ -234,7 +234,7 @@ def train(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir,
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
     params = UpdateParams(cfg.eps_low, cfg.eps_high, cfg.icepop_beta, cfg.minibatches, cfg.epochs,
                           cfg.temperature, cfg.std_normalize, cfg.optim.grad_clip, cfg.policy_loss)
-    ckpt_root, log_path = workdir.checkpoint / "ckpt", workdir.checkpoint / "metrics.jsonl"
+    ckpt_root, log_path = workdir.checkpoint / trainer.CHECKPOINTS, workdir.checkpoint / "metrics.jsonl"
     last: list[Sample] = []
 
     with open_engine(cfg.rollout, model, tokenizer, stop_ids, pad_id, workdir.checkpoint / f"engine-rank{ranks.rank}",

@@ -46,6 +46,8 @@ from rl.ranks import SINGLE, Ranks, build_engine, engine_step, is_engine
 from training import checkpoint, metrics
 from training.loop import export
 
+CHECKPOINTS = "ckpt"   # a stage's trainer checkpoints, under its checkpoint folder
+
 log = logging.getLogger("glmforge")
 STATE = "state.pt"
 RANK_RNG = "rng_rank{:05d}.pt"     # on ranks: each rank's own sampling RNG
@@ -208,20 +210,28 @@ def _save_on_ranks(root: Path, step: int, policy: Policy, meta: dict[str, Any], 
     ranks.barrier()
 
 
+def resumable(root: Path, world: int, stage: str) -> tuple[str, dict[str, Any]] | None:
+    """(tag, meta) of the newest good checkpoint under `root`, or None; a ValueError when another
+    number of trainer ranks wrote it (the stage's process asks before it starts any rank)."""
+    found = checkpoint.select_resume(root)
+    if found is not None and found[1].get("world_size", 1) != world:
+        raise ValueError(f"{stage}: checkpoint {found[0]} in {root} was written by {found[1].get('world_size', 1)} "
+                         f"trainer rank(s); resume it on as many (the stage's parallel.launch), or delete it to "
+                         f"start over")
+    return found
+
+
 def load_latest(root: Path, policy: Policy, log_path: Path, stage: str) -> tuple[int, dict[str, Any], Path] | None:
     """(step, meta, folder) of the newest good checkpoint, with the model, optimizer and RNG
     restored and metrics.jsonl cut back to that step; None (and no metrics file) for a fresh
     start. The stage reads its own text files from the folder. On ranks every rank calls it."""
-    found = checkpoint.select_resume(root)
+    found = resumable(root, policy.ranks.world, stage)
     lead = policy.ranks.rank == 0
     if found is None:
         if lead:
             log_path.unlink(missing_ok=True)
         return None
     tag, meta = found
-    if meta.get("world_size", 1) != policy.ranks.world:
-        raise ValueError(f"{stage}: checkpoint {tag} in {root} was written by {meta.get('world_size', 1)} trainer "
-                         f"rank(s); resume it on as many (the stage's parallel.launch), or delete it to start over")
     if is_engine(policy.optimizer):
         policy.optimizer.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
                                          load_lr_scheduler_states=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 
 import pytest
@@ -90,10 +91,15 @@ def test_kill_9_of_a_rank_then_resume_is_bit_identical(inputs, clean, tmp_path):
     assert drop_time(clean[0]) == drop_time(tmp_path)
 
 
-def test_a_checkpoint_of_another_rank_count_is_refused(inputs, tmp_path):  # noqa: F811
+def test_a_checkpoint_of_another_rank_count_is_refused(inputs, clean, tmp_path):  # noqa: F811
     run_rl_reasoning(_cfg(steps=1), inputs, Workdir.at(tmp_path, seed=3))            # one process, step 1
-    with pytest.raises(TrainingFailed, match="written by 1 trainer rank"):
+    with pytest.raises(ValueError, match="written by 1 trainer rank"):               # before any rank starts
         run_rl_reasoning(_cfg2(steps=2), inputs, Workdir.at(tmp_path, seed=3))
+    assert not (tmp_path / "checkpoint" / "rl-launch.json").exists()
+    # and the 2-rank run's checkpoint in one process
+    shutil.copytree(clean[0] / "checkpoint" / "ckpt", tmp_path / "two" / "checkpoint" / "ckpt")
+    with pytest.raises(ValueError, match="written by 2 trainer rank"):
+        run_rl_reasoning(_cfg(steps=3), inputs, Workdir.at(tmp_path / "two", seed=3))
 
 
 def test_distill_on_two_ranks_trains_and_a_sigterm_resume_is_bit_identical(tmp_path):
