@@ -66,10 +66,10 @@ class RLRankSpec(BaseModel):
 
 def run_on_ranks(stage: str, cfg: BaseModel, inputs: dict[str, Path], workdir: Workdir,
                  launch: LaunchConfig, preempt_grace_s: float = 60.0) -> dict[str, Any]:
-    from rl.trainer import CHECKPOINTS, resumable
+    from rl.trainer import CHECKPOINTS, refuse_other_world
     from training.launch import run_ranks
 
-    resumable(workdir.checkpoint / CHECKPOINTS, launch.world_size, stage)   # another rank count: refused now
+    refuse_other_world(workdir.checkpoint / CHECKPOINTS, launch.world_size, stage)   # before any rank starts
     result = workdir.checkpoint / RESULT
     result.unlink(missing_ok=True)
     spec = RLRankSpec(stage=stage, config=cfg.model_dump(mode="json"), inputs=inputs, out=workdir.out,

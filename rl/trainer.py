@@ -210,28 +210,35 @@ def _save_on_ranks(root: Path, step: int, policy: Policy, meta: dict[str, Any], 
     ranks.barrier()
 
 
-def resumable(root: Path, world: int, stage: str) -> tuple[str, dict[str, Any]] | None:
-    """(tag, meta) of the newest good checkpoint under `root`, or None; a ValueError when another
-    number of trainer ranks wrote it (the stage's process asks before it starts any rank)."""
-    found = checkpoint.select_resume(root)
-    if found is not None and found[1].get("world_size", 1) != world:
-        raise ValueError(f"{stage}: checkpoint {found[0]} in {root} was written by {found[1].get('world_size', 1)} "
+def refuse_other_world(root: Path, world: int, stage: str, tag: str | None = None,
+                       meta: dict[str, Any] | None = None) -> None:
+    """A ValueError when the checkpoint to resume (`tag`, `meta`; by default the newest complete
+    one, from its meta alone: the ranks verify its files) was written by another number of
+    trainer ranks. The stage's process asks before it starts any rank."""
+    if tag is None:
+        done = [t for t in checkpoint.tags(root) if (root / t / checkpoint.MARKER).exists()]
+        if not done:
+            return
+        tag = done[-1]
+        meta = json.loads((root / tag / checkpoint.META).read_text())
+    if meta.get("world_size", 1) != world:
+        raise ValueError(f"{stage}: checkpoint {tag} in {root} was written by {meta.get('world_size', 1)} "
                          f"trainer rank(s); resume it on as many (the stage's parallel.launch), or delete it to "
                          f"start over")
-    return found
 
 
 def load_latest(root: Path, policy: Policy, log_path: Path, stage: str) -> tuple[int, dict[str, Any], Path] | None:
     """(step, meta, folder) of the newest good checkpoint, with the model, optimizer and RNG
     restored and metrics.jsonl cut back to that step; None (and no metrics file) for a fresh
     start. The stage reads its own text files from the folder. On ranks every rank calls it."""
-    found = resumable(root, policy.ranks.world, stage)
+    found = checkpoint.select_resume(root)
     lead = policy.ranks.rank == 0
     if found is None:
         if lead:
             log_path.unlink(missing_ok=True)
         return None
     tag, meta = found
+    refuse_other_world(root, policy.ranks.world, stage, tag, meta)
     if is_engine(policy.optimizer):
         policy.optimizer.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
                                          load_lr_scheduler_states=False)

@@ -1,18 +1,18 @@
-"""Checks on processes a test started and stopped (Linux /proc): still alive, still in a session,
-still holding a port."""
+"""Checks on processes a test started and stopped (Linux /proc, read through glmforge.shutdown's
+helpers): still alive, still in a session, still holding a port."""
 from __future__ import annotations
 
 import socket
-from pathlib import Path
+
+from glmforge.shutdown import _pids, _stat
 
 
 def alive(pid: int) -> bool:
     """The process exists and is not a zombie."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        return _stat(pid)[2] != "Z"
     except OSError:
         return False
-    return state != "Z"
 
 
 def port_open(port: int) -> bool:
@@ -23,12 +23,11 @@ def port_open(port: int) -> bool:
 def session_members(sid: int) -> list[int]:
     """Live processes in session `sid`."""
     out = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                f = (p / "stat").read_text().rpartition(")")[2].split()
-            except OSError:
-                continue
-            if f[0] != "Z" and int(f[3]) == sid:
-                out.append(int(p.name))
+    for pid in _pids():
+        try:
+            f = _stat(pid)
+        except OSError:
+            continue
+        if f[2] != "Z" and int(f[5]) == sid:
+            out.append(pid)
     return out

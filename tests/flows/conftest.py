@@ -18,6 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from glmforge import shutdown
+from tests._processes import alive, port_open, session_members
+
 REPO = Path(__file__).resolve().parents[2]
 
 _CONTEXT = ["max_steps=1", "eval_sequences=1", "launch.nproc_per_node=1", "seq_len=256", "retrieval.docs_per_task=0",
@@ -133,9 +136,6 @@ def served(tiny_run, tmp_path_factory) -> Served:
         raise
     # Stopped as a pod is (SIGTERM): serve stops its worker and server itself, and leaves no
     # process, no session and no open port behind (checked here rather than by a serve of its own)
-    from glmforge import shutdown
-    from tests._processes import alive, port_open, session_members
-
     descendants = shutdown.descendants(proc.pid)
     sessions = {pid for pid in descendants if os.getsid(pid) == pid}   # the server's and the worker's
     assert len(sessions) >= 2 and port_open(port), descendants
