@@ -43,8 +43,9 @@ CLIENT_MUON = ("muon", "muon_split")
 
 
 class LaunchConfig(BaseModel):
-    """How the ranks are started. One node: torchrun. Several: a hostfile (DeepSpeed launcher,
-    pdsh/ssh) or torchrun on every node with the same master address and port."""
+    """How the ranks are started. One node: torchrun's environment (training.spawn starts the
+    ranks, or a single rank alone). Several: a hostfile (DeepSpeed launcher, pdsh/ssh) or torchrun
+    on every node with the same master address and port."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

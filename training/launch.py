@@ -1,8 +1,8 @@
 """Starting the ranks, and the entry point each rank runs.
 
 Parent side (the stage's process): `run_ranks(spec, launch_cfg, spec_path, on_line)` writes the
-spec, starts `torchrun` (or the DeepSpeed launcher; one rank on one node alone) on
-`python -m training.launch SPEC`, streams the ranks' output line by line into logging (logger
+spec, starts the ranks of `python -m training.launch SPEC` (one node: training.spawn; several:
+torchrun on each node, or the DeepSpeed launcher; one rank on one node alone), streams the ranks' output line by line into logging (logger
 "glmforge") and to `on_line`, and turns a failure into `TrainingFailed` naming the rank, its exit
 code and the last output lines, so the caller's retry policy retries and the retry resumes from
 the checkpoint. A stop signal to the stage (SIGTERM/SIGINT, see glmforge.shutdown) is passed to
@@ -30,6 +30,7 @@ from typing import Callable
 from glmforge import shutdown
 from training.config import LaunchConfig
 from training.rank_spec import RankSpec
+from training.spawn import MARK as SPAWN_MARK
 
 log = logging.getLogger("glmforge")
 REPO = Path(__file__).resolve().parent.parent
@@ -49,11 +50,17 @@ def free_port() -> int:
 
 def command(cfg: LaunchConfig, spec_path: Path, port: int, module: str = "training.launch") -> list[str]:
     """The launcher command line for this config (same config on a laptop and a cluster): every
-    rank runs `python -m MODULE SPEC` (training.launch; rl.launch for the RL stages). One rank
-    on one node is started as itself (run_ranks sets the variables torchrun would): torchrun's own
-    start-up costs ~3 s of a core per stage, and it supervises nothing a single rank needs."""
+    rank runs `python -m MODULE SPEC` (training.launch; rl.launch for the RL stages). torchrun's
+    agent costs ~3 s and a core's 3.5 s per launch before the first rank starts and supervises
+    nothing one node needs, so on one node `launcher: torchrun` means torchrun's environment
+    without its agent: one rank is started as itself (run_ranks sets the variables), more by
+    training.spawn. Several nodes run torchrun on each (node_commands)."""
     if single_rank(cfg):
         return [sys.executable, "-m", module, str(spec_path)]
+    if cfg.launcher == "torchrun" and cfg.nnodes == 1:
+        return [sys.executable, "-m", "training.spawn", f"--nproc_per_node={cfg.nproc_per_node}",
+                f"--master_addr={cfg.master_addr or '127.0.0.1'}", f"--master_port={port}",
+                "-m", module, str(spec_path)]
     if cfg.launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run",
                 f"--nproc_per_node={cfg.nproc_per_node}", f"--nnodes={cfg.nnodes}",
@@ -96,15 +103,17 @@ def hostfile_text(hosts: list[str], cfg: LaunchConfig) -> str:
 
 
 def _failure(rc: int, tail: deque, single: bool = False) -> str:
-    """What failed, from torchrun's error summary ("Root Cause ... rank : 1 (local_rank: 1)",
-    "exitcode : -9"), and the ranks' last lines before torchrun's own report."""
+    """What failed, from the launcher's error summary (torchrun's and training.spawn's "Root Cause
+    ... rank : 1 (local_rank: 1)", "exitcode : -9"), and the ranks' last lines before the
+    launcher's own report."""
     lines = list(tail)
     text = "\n".join(lines)
     cause = text[text.find("Root Cause"):] if "Root Cause" in text else text
     ranks = re.findall(r"rank\s*:\s*(\d+)\s*\(local_rank", cause)
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", cause)
     agent = next((i for i, ln in enumerate(lines) if "torch/distributed/elastic" in ln or
-                  "torch.distributed.elastic" in ln or "sigkill_handler" in ln), len(lines))
+                  "torch.distributed.elastic" in ln or "sigkill_handler" in ln or
+                  ln.startswith(SPAWN_MARK)), len(lines))
     quoted = lines[max(0, agent - QUOTE_LINES):agent] or lines[-QUOTE_LINES:]
     # the DeepSpeed launcher: "[... '--local_rank=1', ...] exits with return code = -9"
     ds = re.findall(r"--local_rank=(\d+)'.*exits with return code = (-?\d+)", text)
@@ -146,7 +155,7 @@ def run_ranks(spec: RankSpec, cfg: LaunchConfig, spec_path: Path,
 
     if not torch.cuda.is_available():
         env.setdefault("DS_ACCELERATOR", "cpu")
-        # torchrun gives each rank 1 thread, the DeepSpeed launcher nothing: share the cores
+        # torchrun and training.spawn give each rank 1 thread, the DeepSpeed launcher nothing: share the cores
         # out so ranks do not oversubscribe them (a 5-20x slowdown on a small machine).
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node)))
     if single_rank(cfg):
@@ -157,7 +166,7 @@ def run_ranks(spec: RankSpec, cfg: LaunchConfig, spec_path: Path,
     tail: deque[str] = deque(maxlen=TAIL_LINES)
     grace = spec.train.preempt_grace_s if isinstance(spec, RankSpec) else spec.preempt_grace_s
     # Its own session: a terminal's Ctrl-C or a group kill reaches the ranks only through
-    # forward() (once, as SIGTERM), never also through torchrun (whose own SIGTERM handling
+    # forward() (once, as SIGTERM), never also through the launcher (whose own SIGTERM handling
     # would be their second signal). If only the stage's process dies (kill -9 of a worker),
     # the launcher gets SIGTERM (PDEATHSIG) and stops its ranks, so a retry never finds the old
     # ranks still writing checkpoints.
@@ -212,15 +221,15 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def rank_pids(launcher_pid: int, module: str = "training.launch") -> list[int]:
-    """The rank processes under a launcher (torchrun's workers, the DeepSpeed launcher's
-    children): `-m MODULE` processes that are not a launcher themselves."""
+    """The rank processes under a launcher (training.spawn's or torchrun's workers, the DeepSpeed
+    launcher's children): `-m MODULE` processes that are not a launcher themselves."""
     found = []
     for pid in [launcher_pid, *shutdown.descendants(launcher_pid)]:    # a single rank is its own launcher
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if module.encode() in argv and not any(a.startswith((b"torch.distributed", b"deepspeed.launcher"))
+        if module.encode() in argv and not any(a.startswith((b"training.spawn", b"torch.distributed", b"deepspeed.launcher"))
                                                    for a in argv):
             found.append(pid)
     return found

@@ -47,7 +47,7 @@ def _rank_pids() -> list[int]:
             argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
         except OSError:
             continue
-        if b"rl.launch" in argv and b"torch.distributed.run" not in argv:
+        if b"rl.launch" in argv and b"training.spawn" not in argv:
             found.append(pid)
     return sorted(found)
 

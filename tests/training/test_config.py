@@ -85,8 +85,11 @@ def test_launch_validation_and_commands(tmp_path):
         LaunchConfig(nnodes=2, master_port=29500)
     with pytest.raises(ValueError, match="master_port"):
         LaunchConfig(nnodes=2, master_addr="10.0.0.1")
-    cmd = command(LaunchConfig(nproc_per_node=2), tmp_path / "s.json", 1234)
-    assert "--nproc_per_node=2" in cmd and "--master_port=1234" in cmd and cmd[-3:] == ["-m", "training.launch", str(tmp_path / "s.json")]
+    cmd = command(LaunchConfig(nproc_per_node=2), tmp_path / "s.json", 1234)    # one node: no torchrun agent
+    assert cmd[1:3] == ["-m", "training.spawn"] and "--nproc_per_node=2" in cmd and "--master_port=1234" in cmd
+    assert cmd[-3:] == ["-m", "training.launch", str(tmp_path / "s.json")]
+    two = LaunchConfig(nproc_per_node=2, nnodes=2, master_addr="10.0.0.1", master_port=29500)
+    assert command(two, tmp_path / "s.json", 29500)[1:3] == ["-m", "torch.distributed.run"]
     multi = LaunchConfig(launcher="deepspeed", hostfile="/etc/hosts.ds", nnodes=4, nproc_per_node=8,
                          master_addr="10.0.0.1", master_port=29500)
     cmd = command(multi, tmp_path / "s.json", 29500)
@@ -222,10 +225,11 @@ def test_a_single_rank_is_its_own_launcher_for_stop_signals():
     sleep = "import time; time.sleep(30)"
     alone = subprocess.Popen([sys.executable, "-c", sleep, "-m", "training.launch", "spec.json"])
     launcher = subprocess.Popen([sys.executable, "-c", sleep, "torch.distributed.run", "-m", "training.launch"])
+    spawner = subprocess.Popen([sys.executable, "-c", sleep, "training.spawn", "-m", "training.launch"])
     try:
         assert rank_pids(alone.pid) == [alone.pid]
-        assert rank_pids(launcher.pid) == []
+        assert rank_pids(launcher.pid) == [] and rank_pids(spawner.pid) == []
     finally:
-        for p in (alone, launcher):
+        for p in (alone, launcher, spawner):
             p.kill()
             p.wait()

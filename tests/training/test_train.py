@@ -92,14 +92,14 @@ def test_artifact_holds_weights_hf_export_and_curves(reference):
 
 
 def _rank_pids(spec: Path) -> dict[int, int]:
-    """RANK -> pid of the worker processes torchrun started for this spec file."""
+    """RANK -> pid of the rank processes started for this spec file (not their launcher)."""
     found = {}
     for p in Path("/proc").iterdir():
         if not p.name.isdigit():
             continue
         try:
             cmd = (p / "cmdline").read_bytes().split(b"\0")
-            if str(spec).encode() not in cmd or b"training.launch" not in cmd or b"torch.distributed.run" in cmd:
+            if str(spec).encode() not in cmd or b"training.launch" not in cmd or b"training.spawn" in cmd:
                 continue
             env = dict(kv.split(b"=", 1) for kv in (p / "environ").read_bytes().split(b"\0") if b"=" in kv)
         except OSError:
