@@ -209,6 +209,16 @@ def _stat(pid: int) -> list[str]:
     return [pid_s, comm, *tail.split()]
 
 
+def die_with_parent() -> None:
+    """A Popen preexec_fn: SIGTERM this child when the thread that started it dies (Linux
+    PR_SET_PDEATHSIG), so a launcher or rank never outlives the process that supervises it."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def descendants(pid: int) -> list[int]:
     """Every live descendant of pid (children first), from /proc."""
     children: dict[int, list[int]] = {}

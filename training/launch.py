@@ -134,15 +134,6 @@ def _failure(rc: int, tail: deque, single: bool = False) -> str:
     return f"training failed: {who}; last output:\n" + "\n".join(quoted)
 
 
-def _die_with_parent() -> None:
-    """In the launcher's child process, before exec: SIGTERM when the parent dies (Linux)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def run_ranks(spec: RankSpec, cfg: LaunchConfig, spec_path: Path,
               on_line: Callable[[str], None] = lambda line: None, module: str = "training.launch") -> None:
     """`spec`: a RankSpec, or any spec with write() and preempt_grace_s that `module` reads."""
@@ -171,7 +162,7 @@ def run_ranks(spec: RankSpec, cfg: LaunchConfig, spec_path: Path,
     # the launcher gets SIGTERM (PDEATHSIG) and stops its ranks, so a retry never finds the old
     # ranks still writing checkpoints.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=str(REPO), bufsize=1, preexec_fn=_die_with_parent, start_new_session=True)
+                            cwd=str(REPO), bufsize=1, preexec_fn=shutdown.die_with_parent, start_new_session=True)
     forwarded: list[int] = []
     last_resort: list[threading.Timer] = []
 

@@ -27,7 +27,7 @@ import signal
 import subprocess
 import sys
 
-from glmforge.shutdown import EXIT_PREEMPTED
+from glmforge.shutdown import EXIT_PREEMPTED, die_with_parent
 
 KILL_AFTER_S = 30   # torchrun's wait between SIGTERM and SIGKILL of the surviving ranks
 MARK = "training.spawn:"   # starts every line this process prints (training.launch._failure reads them)
@@ -42,13 +42,6 @@ def rank_env(rank: int, nproc: int, addr: str, port: int) -> dict[str, str]:
     if nproc > 1:
         env.setdefault("OMP_NUM_THREADS", "1")     # as torchrun: one thread per rank unless told
     return env
-
-
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
 
 
 def run(nproc: int, addr: str, port: int, argv: list[str]) -> int:
@@ -76,7 +69,7 @@ def run(nproc: int, addr: str, port: int, argv: list[str]) -> int:
         if stops:                      # stopped while starting: the started ranks have their signal
             break
         proc = subprocess.Popen([sys.executable, "-m", *argv], env=rank_env(rank, nproc, addr, port),
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=die_with_parent)
         live[proc.pid] = rank
     first: tuple[int, int] | None = None      # (rank, exit status) of the first rank to fail
     while live:
