@@ -167,6 +167,14 @@ def rl_async(out: str) -> tuple[str, str]:
             f"{r['trainer_idle_fraction']:.0%} of the async run", ", ".join(f"{k} {v}" for k, v in r["settings"].items()))
 
 
+def launch(out: str) -> tuple[str, str]:
+    r = last_json(out)
+    return (f"{r['nproc']} ranks (gloo init + one all-reduce): torchrun {r['wall_s']['torchrun']:.2f} s wall / "
+            f"{r['cpu_s']['torchrun']:.2f} s CPU, training.spawn {r['wall_s']['spawn']:.2f} / {r['cpu_s']['spawn']:.2f}: "
+            f"torchrun / spawn {r['wall_ratio_torchrun_over_spawn']:.2f}x wall, {r['cpu_ratio_torchrun_over_spawn']:.2f}x CPU",
+            f"median of {r['repeats']}, OMP_NUM_THREADS=1")
+
+
 def rl_ranks(out: str) -> tuple[str, str]:
     r = last_json(out)
     u, rr = r["update"], r["routing_replay"]
@@ -272,6 +280,8 @@ BENCHES = [
           ["--json"], vllm_rollout, "rollouts on vLLM vs the native engine, same model and tokens (make vllm-setup)"),
     Bench("curation_dask", ["--max-docs", "500", "--planted", "50"], [], curation_dask,
           "exact + MinHash dedup on Dask (1, 2 workers; 1, 5 shards per task) beside one process"),
+    Bench("launch", ["--repeats", "1", "--json"], ["--json"], launch,
+          "one node's ranks started by torchrun vs training.spawn, same job"),
     Bench("moe_ep", ["--tokens", "256", "--steps", "3", "--warmup", "1"], [], moe_ep,
           "MoE step, expert parallel vs replicated, 2 gloo ranks"),
     Bench("cached_rerun", ["--repeat", "1"], [], cached_rerun,

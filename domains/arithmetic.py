@@ -54,6 +54,34 @@ def pairs(split: str, digits: int = DIGITS, heldout_per_mille: int = HELDOUT_PER
     return [(a, b) for a in range(lo, hi) for b in range(lo, hi) if is_heldout(a, b, heldout_per_mille) == want]
 
 
+LISTED_DIGITS = 3           # up to three-digit operands a split is listed (810K pairs); wider is sampled
+
+
+def random_pair(split: str, digits: int, rng: random.Random,
+                heldout_per_mille: int = HELDOUT_PER_MILLE) -> tuple[int, int]:
+    """One pair of the split, uniform, by rejection: for operands too wide to list (four digits
+    are 81M pairs)."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    lo, hi, want = 10 ** (digits - 1), 10 ** digits, split == "heldout"
+    while True:
+        a, b = rng.randrange(lo, hi), rng.randrange(lo, hi)
+        if is_heldout(a, b, heldout_per_mille) == want:
+            return a, b
+
+
+def sampled_pairs(split: str, digits: int, n: int, seed: int) -> list[tuple[int, int]]:
+    """n pairs of the split without listing it: train with replacement, held-out without, both in
+    a seeded order (the convention of `tasks` for wide operands)."""
+    rng = random.Random(seed)
+    if split == "train":
+        return [random_pair(split, digits, rng) for _ in range(n)]
+    out: dict[tuple[int, int], None] = {}
+    while len(out) < n:
+        out[random_pair(split, digits, rng)] = None
+    return list(out)
+
+
 def tasks(n: int, split: str, seed: int, digits: int = DIGITS, heldout_per_mille: int = HELDOUT_PER_MILLE) -> list[Task]:
     """n tasks of a split, drawn with replacement in a seeded order (held-out: without, capped)."""
     pool = pairs(split, digits, heldout_per_mille)

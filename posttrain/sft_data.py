@@ -201,12 +201,14 @@ def arithmetic_samples(n: int, split: str, seed: int, corrupt: float, with_tools
     rng = random.Random(seed)
     split = "train" if split == "train" else "heldout"
     wide = tool_digits != arithmetic.DIGITS and tool_calls > 0
-    wide_pairs = arithmetic.pairs(split, tool_digits) if wide else []
+    listed = wide and tool_digits <= arithmetic.LISTED_DIGITS
+    wide_pairs = arithmetic.pairs(split, tool_digits) if listed else []
     out = []
     for t in arithmetic.tasks(n, split, seed):
         calls = tool_calls and rng.random() < tool_calls                                  # no draw at 0
         if calls and wide:
-            t = arithmetic.task(*rng.choice(wide_pairs), tool_digits)
+            pair = rng.choice(wide_pairs) if listed else arithmetic.random_pair(split, tool_digits, rng)
+            t = arithmetic.task(*pair, tool_digits)
         answer = arithmetic.corrupted(t.answer, rng) if split == "train" and rng.random() < corrupt else t.answer
         user = Message("user", t.prompt, thinking=False)
         if calls:

@@ -26,7 +26,8 @@ Environments:
     swe_repair   fix an injected bug in an MBPP solution: read_file / write_file / run_tests
     terminal     shell tasks in a sandboxed working folder: run(command); a verifier script checks
     search       questions over the stdlib docstrings: search(query) / open(name)
-    calc_arith   domains.arithmetic addition with a calculator tool (the tiny CPU preset)
+    calc_arith   domains.arithmetic addition with a calculator tool (the tiny CPU preset);
+                 calc_arith3 / calc_arith4 on three- / four-digit operands
 
 manage_context (rl.envs.context) is the keep-recent-k / token-threshold context manager that
 rl.agent.run_group takes as `context=` (bind its arguments with context_manager(...)).

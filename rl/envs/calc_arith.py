@@ -73,7 +73,10 @@ class CalcArith:
 
     @classmethod
     def tasks(cls, split: str, n: int, seed: int) -> list[Task]:
-        drawn = draw(arithmetic.pairs(split, cls.DIGITS), split, n, seed)   # then build only the drawn tasks
+        if cls.DIGITS <= arithmetic.LISTED_DIGITS:
+            drawn = draw(arithmetic.pairs(split, cls.DIGITS), split, n, seed)   # then build only the drawn tasks
+        else:
+            drawn = arithmetic.sampled_pairs(split, cls.DIGITS, n, seed)
         return [Task(cls.name, t.prompt, t.answer, t.meta) for t in (arithmetic.task(a, b, cls.DIGITS) for a, b in drawn)]
 
 
@@ -83,3 +86,12 @@ class CalcArith3(CalcArith):
     almost never scores, a calculator call whose result is copied does (with reverse_digits)."""
     name = "calc_arith3"
     DIGITS = 3
+
+
+@register_env("calc_arith4")
+class CalcArith4(CalcArith):
+    """calc_arith on four-digit operands: the call copies eight digits and the result five, past
+    what copying three-digit demonstrations teaches (SFT needs four-digit calls:
+    sft.arithmetic_tool_digits 4)."""
+    name = "calc_arith4"
+    DIGITS = 4

@@ -65,3 +65,12 @@ def test_rl_ranks_summary_parses():
     measured, settings = a.rl_ranks(out)
     assert "= 2.00x" in measured and "tiny 1 MiB by 2 ranks" in measured and "0.050 -> 0.030" in measured
     assert settings == "preset tiny"
+
+
+def test_launch_summary_parses():
+    a = _all()
+    out = "x\n" + json.dumps({"nproc": 2, "repeats": 3, "wall_s": {"torchrun": 5.5, "spawn": 3.0},
+                               "cpu_s": {"torchrun": 8.0, "spawn": 5.0}, "wall_ratio_torchrun_over_spawn": 1.83,
+                               "cpu_ratio_torchrun_over_spawn": 1.6})
+    measured, settings = a.launch(out)
+    assert "torchrun 5.50 s wall" in measured and "1.83x wall, 1.60x CPU" in measured and settings.startswith("median of 3")

@@ -75,3 +75,13 @@ def test_arithmetic_tool_call_demos_are_what_calc_arith_returns():
         assert len(user.content.split()) == 8 and final.content == tool.content     # " 1 2 3 + 4 5 6 ="
         env3.reset(Task("calc_arith3", user.content, tool.content, {}))
         assert env3.step(list(call.tool_calls)).observations == [tool.content]
+    # four-digit operands for calc_arith4: sampled from the split (not listed), same checks
+    wide4 = [s for s in arithmetic_samples(200, "train", seed=3, corrupt=0.0, tool_calls=0.25, tool_digits=4)
+             if len(s.messages) == 4]
+    env4 = make_env("calc_arith4", reverse_digits=True, schema_in_prompt=False)
+    assert len(wide4) > 20
+    for s in wide4:
+        user, call, tool, final = s.messages
+        assert len(user.content.split()) == 10 and final.content == tool.content
+        env4.reset(Task("calc_arith4", user.content, tool.content, {}))
+        assert env4.step(list(call.tool_calls)).observations == [tool.content]

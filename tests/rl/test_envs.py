@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from chat.template import EOS, OBSERVATION, Message, ToolCall, assistant_text
+from domains import arithmetic
 from rl.agent import run_group
 from rl.envs import ENVIRONMENTS, make_env, swe_repair, tasks_for, terminal
 from rl.envs.context import (
@@ -66,6 +67,15 @@ def test_calc_arith_rewards_the_final_answer():
     assert e3.step([ToolCall("calculator", {"expression": t3.prompt.strip(" =")})]).observations == [t3.answer]
     # the prompt's notation: digits one token each, "3 4 + 5 7" is 34 + 57
     assert rev.step([ToolCall("calculator", {"expression": task.prompt.strip(" =")})]).observations == [task.answer]
+    # four digits: 81M pairs, drawn without listing them, on the same split by hash
+    train4, held4 = tasks_for("calc_arith4", "train", 300, 0), tasks_for("calc_arith4", "heldout", 300, 0)
+    assert {t.meta["digits"] for t in train4 + held4} == {4} and len(train4[0].answer.split()) == 5
+    assert not any(arithmetic.is_heldout(t.meta["a"], t.meta["b"]) for t in train4)
+    assert all(arithmetic.is_heldout(t.meta["a"], t.meta["b"]) for t in held4)
+    assert len({t.prompt for t in held4}) == 300 and tasks_for("calc_arith4", "heldout", 300, 0) == held4
+    e4 = make_env("calc_arith4", reverse_digits=True)
+    e4.reset(held4[0])
+    assert e4.step([ToolCall("calculator", {"expression": held4[0].prompt.strip(" =")})]).observations == [held4[0].answer]
 
 
 class ScriptedEngine:
