@@ -70,22 +70,18 @@ def random_pair(split: str, digits: int, rng: random.Random,
             return a, b
 
 
-def sampled_pairs(split: str, digits: int, n: int, seed: int) -> list[tuple[int, int]]:
-    """n pairs of the split without listing it: train with replacement, held-out without, both in
-    a seeded order (the convention of `tasks` for wide operands)."""
-    rng = random.Random(seed)
-    if split == "train":
-        return [random_pair(split, digits, rng) for _ in range(n)]
-    out: dict[tuple[int, int], None] = {}
-    while len(out) < n:
-        out[random_pair(split, digits, rng)] = None
-    return list(out)
-
-
 def tasks(n: int, split: str, seed: int, digits: int = DIGITS, heldout_per_mille: int = HELDOUT_PER_MILLE) -> list[Task]:
-    """n tasks of a split, drawn with replacement in a seeded order (held-out: without, capped)."""
-    pool = pairs(split, digits, heldout_per_mille)
+    """n tasks of a split, drawn with replacement in a seeded order (held-out: without, capped).
+    Operands wider than LISTED_DIGITS are drawn without listing the split (random_pair)."""
     rng = random.Random(seed)
+    if digits > LISTED_DIGITS:
+        if split == "train":
+            return [task(*random_pair(split, digits, rng, heldout_per_mille), digits) for _ in range(n)]
+        drawn: dict[tuple[int, int], None] = {}
+        while len(drawn) < n:
+            drawn[random_pair(split, digits, rng, heldout_per_mille)] = None
+        return [task(a, b, digits) for a, b in drawn]
+    pool = pairs(split, digits, heldout_per_mille)
     if split == "heldout":
         rng.shuffle(pool)
         return [task(a, b, digits) for a, b in pool[:n]]

@@ -30,7 +30,7 @@ from typing import Callable
 from glmforge import shutdown
 from training.config import LaunchConfig
 from training.rank_spec import RankSpec
-from training.spawn import MARK as SPAWN_MARK
+from training.spawn import MARK as SPAWN_MARK, rank_env
 
 log = logging.getLogger("glmforge")
 REPO = Path(__file__).resolve().parent.parent
@@ -150,8 +150,7 @@ def run_ranks(spec: RankSpec, cfg: LaunchConfig, spec_path: Path,
         # out so ranks do not oversubscribe them (a 5-20x slowdown on a small machine).
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node)))
     if single_rank(cfg):
-        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
-                   MASTER_ADDR=cfg.master_addr or "127.0.0.1", MASTER_PORT=str(port))
+        env = rank_env(0, 1, cfg.master_addr or "127.0.0.1", port, env)    # the rank is the launched process
     cmd = command(cfg, spec_path, port, module)
     log.info("launching %d rank(s): %s", cfg.world_size, " ".join(cmd))
     tail: deque[str] = deque(maxlen=TAIL_LINES)

@@ -33,9 +33,10 @@ KILL_AFTER_S = 30   # torchrun's wait between SIGTERM and SIGKILL of the survivi
 MARK = "training.spawn:"   # starts every line this process prints (training.launch._failure reads them)
 
 
-def rank_env(rank: int, nproc: int, addr: str, port: int) -> dict[str, str]:
-    """The variables torchrun sets for a worker of a single-node job."""
-    env = dict(os.environ)
+def rank_env(rank: int, nproc: int, addr: str, port: int, base: dict[str, str] | None = None) -> dict[str, str]:
+    """`base` (this process's environment by default) with the variables torchrun sets for a worker
+    of a single-node job."""
+    env = dict(os.environ if base is None else base)
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc),
                MASTER_ADDR=addr, MASTER_PORT=str(port))

@@ -25,7 +25,7 @@ from chat.template import ToolCall
 from domains import arithmetic
 from domains.task import Task
 from domains.tools import CALCULATOR, calculator
-from rl.envs import RewardOutcome, StepResult, check_args, draw, register_env
+from rl.envs import RewardOutcome, StepResult, check_args, register_env
 from rl.rewards import arithmetic_reward
 
 _SPACED_DIGITS = re.compile(r"(?<=\d) +(?=\d)")     # "3 4" -> "34"
@@ -73,11 +73,8 @@ class CalcArith:
 
     @classmethod
     def tasks(cls, split: str, n: int, seed: int) -> list[Task]:
-        if cls.DIGITS <= arithmetic.LISTED_DIGITS:
-            drawn = draw(arithmetic.pairs(split, cls.DIGITS), split, n, seed)   # then build only the drawn tasks
-        else:
-            drawn = arithmetic.sampled_pairs(split, cls.DIGITS, n, seed)
-        return [Task(cls.name, t.prompt, t.answer, t.meta) for t in (arithmetic.task(a, b, cls.DIGITS) for a, b in drawn)]
+        # the split convention of rl.envs.draw, as domains.arithmetic draws it (wide operands unlisted)
+        return [Task(cls.name, t.prompt, t.answer, t.meta) for t in arithmetic.tasks(n, split, seed, cls.DIGITS)]
 
 
 @register_env("calc_arith3")
@@ -92,6 +89,6 @@ class CalcArith3(CalcArith):
 class CalcArith4(CalcArith):
     """calc_arith on four-digit operands: the call copies eight digits and the result five, past
     what copying three-digit demonstrations teaches (SFT needs four-digit calls:
-    sft.arithmetic_tool_digits 4)."""
+    sft.data.arithmetic_tool_digits: 4)."""
     name = "calc_arith4"
     DIGITS = 4
