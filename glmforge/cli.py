@@ -76,6 +76,13 @@ def own_prefect_database() -> None:
     concurrent run uses (claim_prefect_database). Left alone: a run reporting to a server
     ($PREFECT_API_URL) and a database chosen in the environment."""
     global _prefect_database_lock
+    if not os.environ.get("PREFECT_API_URL"):
+        # The ephemeral server registers Prefect's block types (and imports every installed
+        # Prefect collection to find them) at each start: 1 s on a database that has them, 4-5 s
+        # on a new one, of a 13-24 s `run --until ingest`. A run needs none: a Secret block
+        # (store.credentials_block) registers its type when it is saved.
+        os.environ.setdefault("PREFECT_SERVER_REGISTER_BLOCKS_ON_START", "false")
+        os.environ.setdefault("PREFECT_SERVER_MEMOIZE_BLOCK_AUTO_REGISTRATION", "false")
     chosen = ("PREFECT_API_URL", "PREFECT_SERVER_DATABASE_CONNECTION_URL", "PREFECT_API_DATABASE_CONNECTION_URL")
     if _prefect_database_lock is not None or any(os.environ.get(v) for v in chosen):
         return

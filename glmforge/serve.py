@@ -105,13 +105,17 @@ class LocalPrefect:
     def stop(self) -> None:
         """Worker first, then server; each process group is waited for and SIGKILLed after
         20 s, also when its leader exited but left children (uvicorn, a flow run)."""
-        from glmforge.shutdown import shielded, stop_process_group
+        from glmforge.shutdown import descendants, process_ids, reap_orphans, shielded, stop_process_group
 
         with shielded():  # a second Ctrl-C / SIGTERM must not leave the server running
+            # a flow run's own children (rank launchers, sandboxes) live in sessions of their own:
+            # out of reach of the groups' signals, so seen now and waited for after
+            seen = process_ids(descendants(os.getpid()))
             # A worker needs SIGTERM then SIGINT to stop promptly.
             for proc, sigs in ((self.worker, (signal.SIGTERM, signal.SIGINT)), (self.server, (signal.SIGTERM,))):
                 if proc is not None:
                     stop_process_group(proc, sigs, timeout=20)
+            reap_orphans(seen, timeout=20)
 
     def __enter__(self) -> "LocalPrefect":
         return self.start()

@@ -11,7 +11,8 @@ Three pieces:
   a second signal raises at once.
 * `stop_process_group` / `ProcessGroups`: stop children that run in their own process group
   (Prefect server and worker, the training launcher) with their signals, wait `timeout`
-  seconds, then SIGKILL the whole group, so no grandchild outlives the command.
+  seconds, then SIGKILL the whole group, so no grandchild outlives the command
+  (`reap_orphans` for those in sessions of their own).
 * `PreemptionGuard` (training ranks, the RL stage): the first SIGTERM/SIGINT sets a flag that
   the loop reads after each step (it then writes a checkpoint and exits with EXIT_PREEMPTED);
   a second signal, or `grace_s` seconds passing, ends the process at once with 128+signal.
@@ -258,6 +259,38 @@ def stop_process_group(proc: subprocess.Popen, signals: Sequence[int] = (signal.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGKILL)
     return proc.wait()
+
+
+def process_ids(pids: Sequence[int]) -> list[tuple[int, str]]:
+    """(pid, start time) of each live pid: a pid that ends and is reused is not the same process."""
+    out = []
+    for p in pids:
+        with contextlib.suppress(OSError, IndexError):
+            out.append((p, _stat(p)[21]))
+    return out
+
+
+def reap_orphans(processes: Sequence[tuple[int, str]], timeout: float = 20.0) -> None:
+    """Processes (process_ids) seen before their parents were stopped that outlive them: a flow
+    run's rank launcher or sandbox, in a session of its own, finishing on the SIGTERM its
+    parent's death sent (die_with_parent). Wait up to `timeout` s for them, then SIGKILL the rest."""
+    def alive(pid: int, start: str) -> bool:
+        try:
+            stat = _stat(pid)
+        except (OSError, IndexError):
+            return False
+        return stat[21] == start and stat[2] != "Z"
+
+    deadline = time.monotonic() + timeout
+    left = list(processes)
+    while True:
+        left = [p for p in left if alive(*p)]
+        if not left or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    for pid, _ in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 class ProcessGroups:

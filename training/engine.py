@@ -86,6 +86,11 @@ def build_engine(model: nn.Module, cfg: TrainConfig, cuda: bool, load_universal:
             # DeepSpeed's muon_update is torch.compile'd; on CPU inductor would JIT-compile C++
             # kernels (minutes on a small machine). Eager is exact and fast enough here.
             torch._dynamo.config.disable = True
+        elif cfg.optimizer == "deepspeed_muon" and cfg.deterministic:
+            # the one compiled path: inductor's own flag, which loop.seed_everything leaves unset
+            import torch._inductor.config as inductor_config
+
+            inductor_config.deterministic = True
         # ZeRO 1/2 under expert parallelism: DeepSpeed's MoE path partitions and reduces the
         # expert shards (none to train, e.g. the DSA warm-up's frozen trunk: the plain path)
         ep_zero = cfg.expert_parallel > 1 and cfg.zero_stage > 0 and any(

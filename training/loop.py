@@ -82,7 +82,10 @@ def seed_everything(seed: int, deterministic: bool) -> None:
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     if deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        # torch.use_deterministic_algorithms less its import of torch._inductor, made only to set
+        # inductor's flag: 2 s of every rank's start-up (a third of a tiny rank's life). Nothing
+        # here compiles but DeepSpeed's Muon, whose engine sets that flag (engine.build_engine).
+        torch._C._set_deterministic_algorithms(True, warn_only=True)
 
 
 @torch.no_grad()

@@ -16,7 +16,8 @@ The contract run_ranks relies on, as with torchrun: the ranks inherit this proce
 rank's failure stops the others (SIGTERM, then SIGKILL after KILL_AFTER_S) and prints one
 "Root Cause" line naming the first failed rank and its exit status; a stop signal to this process
 reaches every rank once per signal (the ranks checkpoint and exit with EXIT_PREEMPTED); the exit
-status is 0, EXIT_PREEMPTED when the ranks stopped at a checkpoint, else 1. A rank also gets
+status is 0, EXIT_PREEMPTED when the ranks stopped at a checkpoint (or died of the stop passed
+on before they could), else 1. A rank also gets
 SIGTERM if this process dies, so no rank outlives its launcher.
 """
 from __future__ import annotations
@@ -92,7 +93,9 @@ def run(nproc: int, addr: str, port: int, argv: list[str]) -> int:
     if first is None:
         return 0
     rank, code = first
-    if code == EXIT_PREEMPTED:
+    # A rank that the stop reached before it set its handler (still importing torch) dies of the
+    # SIGTERM passed on: it wrote nothing, the last checkpoint stands, so that is a stop too.
+    if code == EXIT_PREEMPTED or (stops and code == -signal.SIGTERM):
         return EXIT_PREEMPTED
     print(f"{MARK} Root Cause (first observed failure): rank : {rank} (local_rank: {rank}), exitcode : {code}",
           flush=True)

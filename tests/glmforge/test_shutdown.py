@@ -150,6 +150,26 @@ def test_stop_process_group_cleans_up_members_left_by_an_exited_leader():
     assert not _alive(child)
 
 
+def test_reap_orphans_waits_for_the_finishing_kills_the_stubborn_and_spares_a_reused_pid():
+    """A grandchild in a session of its own outlives its stopped parent (glmforge serve's flow
+    runs' rank launchers): one finishing by itself is waited for, one ignoring SIGTERM is
+    SIGKILLed after the timeout; a live process whose start time is not the one seen is left."""
+    finishing = _py("import time; time.sleep(1.0)", start_new_session=True)
+    stubborn = _py("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); "
+                   "time.sleep(600)", start_new_session=True)
+    _wait_line(stubborn, "up")
+    other = _py("import time; time.sleep(600)", start_new_session=True)
+    seen = shutdown.process_ids([finishing.pid, stubborn.pid])
+    t0 = time.monotonic()
+    shutdown.reap_orphans([*seen, (other.pid, "not-its-start-time")], timeout=3.0)
+    waited = time.monotonic() - t0
+    assert finishing.wait(timeout=5) == 0 and stubborn.wait(timeout=5) == -signal.SIGKILL
+    assert 2.5 < waited < 10                      # the stubborn one had its whole timeout
+    assert other.poll() is None
+    other.kill()
+    other.wait()
+
+
 def test_pod_grace_period_follows_the_config():
     cfg = load_config("tiny", None, ["pretrain.preempt_grace_s=100"])
     assert shutdown.pod_grace_seconds(cfg) == 100 + shutdown.KILL_MARGIN_S + shutdown.TEARDOWN_S

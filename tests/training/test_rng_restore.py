@@ -114,3 +114,17 @@ def test_noise_objective_makes_the_loss_depend_on_the_rng():
     a = obj.loss(lambda *a, **k: Out(), {"input_ids": None, "labels": None, "doc_ids": None})[0]
     b = obj.loss(lambda *a, **k: Out(), {"input_ids": None, "labels": None, "doc_ids": None})[0]
     assert a != b and float(a) > 2.0
+
+
+def test_seed_everything_turns_on_deterministic_algorithms_without_importing_inductor():
+    """What torch.use_deterministic_algorithms(True, warn_only=True) sets, without its import of
+    torch._inductor (2 s of every rank's start-up); checked in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from training.loop import seed_everything; seed_everything(3, True); "
+            "print(torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(), "
+            "'torch._inductor' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == ["True", "True", "False"]

@@ -12,6 +12,8 @@ import time
 from collections import deque
 from pathlib import Path
 
+import pytest
+
 from glmforge.shutdown import EXIT_PREEMPTED
 from training.launch import REPO, _failure
 
@@ -20,20 +22,27 @@ RANK = """
 import json, os, signal, sys, time
 out = sys.argv[1]
 rank = os.environ["RANK"]
-keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
-json.dump({k: os.environ.get(k) for k in keys}, open(f"{out}/env{rank}.json", "w"))
 what = json.loads(sys.argv[2])[rank]
 def on_term(signum, frame):
     with open(f"{out}/term{rank}", "a") as f:
         f.write("x")
     if what != "ignore":
         sys.exit(%d)
-signal.signal(signal.SIGTERM, on_term)
+if what != "bare":   # bare: dies of SIGTERM, as a rank does before it sets its handler
+    signal.signal(signal.SIGTERM, on_term)
+keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+json.dump({"pid": os.getpid(), **{k: os.environ.get(k) for k in keys}}, open(f"{out}/env{rank}.json", "w"))  # after the handler
 print(f"rank {rank} up", flush=True)
 if what.startswith("exit"):
+    # fail once every rank is up (has its handler): the test is of the launcher, not of start-up
+    world = int(os.environ["WORLD_SIZE"])
+    for _ in range(200):
+        if all(os.path.exists(f"{out}/env{r}.json") for r in range(world)):
+            break
+        time.sleep(0.05)
     print(f"rank {rank} fails", flush=True)
     sys.exit(int(what[4:]))
-if what in ("wait", "ignore"):
+if what in ("wait", "ignore", "bare"):
     for _ in range(600):
         time.sleep(0.1)
 """ % EXIT_PREEMPTED
@@ -87,14 +96,18 @@ def test_a_rank_that_ignores_sigterm_is_killed_and_the_cause_is_still_the_first(
     assert "rank 1 failed (exit code 2)" in _failure(proc.returncode, deque(out.splitlines()))
 
 
-def test_a_stop_reaches_every_rank_once_and_ends_preempted(tmp_path):
-    proc = spawn(tmp_path, {"0": "wait", "1": "wait"})
+@pytest.mark.parametrize("rank1", ["wait", "bare"])
+def test_a_stop_reaches_every_rank_once_and_ends_preempted(tmp_path, rank1):
+    """bare: the stop reaches rank 1 before it has set its handler (still importing, as at
+    start-up) and kills it; it wrote nothing, so the stage was stopped, not failed."""
+    proc = spawn(tmp_path, {"0": "wait", "1": rank1})
     for r in (0, 1):
         wait_for(tmp_path / f"env{r}.json")
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == EXIT_PREEMPTED, out
-    assert [(tmp_path / f"term{r}").read_text() for r in (0, 1)] == ["x", "x"]
+    assert [(tmp_path / f"term{r}").exists() and (tmp_path / f"term{r}").read_text() for r in (0, 1)] == \
+        ["x", "x" if rank1 == "wait" else False]
     assert "Root Cause" not in out
 
 
@@ -106,3 +119,14 @@ def test_no_rank_outlives_a_killed_spawner(tmp_path):
     proc.communicate(timeout=30)
     for r in (0, 1):                              # each rank got SIGTERM (its parent-death signal)
         wait_for(tmp_path / f"term{r}")
+
+
+def test_a_rank_killed_by_sigterm_without_a_stop_is_a_failure(tmp_path):
+    """A rank killed by SIGTERM when the launcher had no stop (a signal from elsewhere) failed."""
+    proc = spawn(tmp_path, {"0": "wait", "1": "bare"})
+    for r in (0, 1):
+        wait_for(tmp_path / f"env{r}.json")
+    os.kill(json.loads((tmp_path / "env1.json").read_text())["pid"], signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 1, out
+    assert "rank 1 failed (killed by signal 15)" in _failure(proc.returncode, deque(out.splitlines()))
