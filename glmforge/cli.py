@@ -73,8 +73,8 @@ def claim_prefect_database(home: Path):
 
 def own_prefect_database() -> None:
     """Before Prefect is imported: point this run's ephemeral Prefect server at a database no
-    concurrent run uses (claim_prefect_database). Left alone: a run reporting to a server
-    ($PREFECT_API_URL) and a database chosen in the environment."""
+    concurrent run uses (claim_prefect_database), and start it without block registration. Left
+    alone: a run reporting to a server ($PREFECT_API_URL) and a database chosen in the environment."""
     global _prefect_database_lock
     if not os.environ.get("PREFECT_API_URL"):
         # The ephemeral server registers Prefect's block types (and imports every installed
