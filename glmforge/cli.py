@@ -326,7 +326,8 @@ def effects_cmd(
         record = RunRecord.load(st, rid)
         if record is None:
             _fail(f"no run {rid!r} in {st.uri}" if rid else f"no run recorded in {st.uri}")
-        runs[record.id] = effects.measure(effects.stage_metrics(record.public()))
+        shown = record.public()
+        runs[record.id] = effects.measure(effects.stage_metrics(shown), effects.failed_stages(shown))
     if as_json:
         typer.echo(json.dumps({"runs": runs, "spread": effects.spread(runs)}, indent=2, sort_keys=True))
     else:
@@ -345,8 +346,10 @@ def sweep(
 ) -> None:
     """Run the pipeline once per seed (`glmforge run --set run.seed=N`, one after the other; the
     curation stages do not read the seed and are reused) and print the effects table: each
-    run's value, the mean and std over the seeds, how many met the target. Re-running the same
-    sweep reuses every published stage, so an interrupted sweep continues where it stopped."""
+    run's value, the mean and std over the seeds, how many met the target. A run in which a
+    stage failed is a result: its row shows what it measured, the sweep goes on and exits
+    non-zero at the end. Re-running the same sweep reuses every published stage, so an
+    interrupted sweep continues where it stopped."""
     import subprocess
     import time
 
@@ -371,7 +374,7 @@ def sweep(
     except (ConfigError, ValueError) as e:
         _fail(str(e))
     st = _store(store)
-    runs, walls, run_ids = {}, {}, {}
+    runs, walls, run_ids, failures = {}, {}, {}, {}
     for seed in seed_list:
         argv = [sys.executable, "-m", "glmforge.cli", "run"] + (["--config", str(config)] if config else
                                                              ["--preset", preset or "tiny"])
@@ -381,13 +384,24 @@ def sweep(
         t0 = time.monotonic()
         code = subprocess.call(argv)
         walls[seed] = time.monotonic() - t0
-        if code != 0:
-            _fail(f"sweep: the run with seed {seed} ended with exit status {code}; rerun the sweep to continue "
-                  "from its published stages", code=code)
         record = RunRecord.load(st)
         if record is None or record.config.get("run", {}).get("seed") != seed:
+            if code != 0:
+                _fail(f"sweep: the run with seed {seed} ended with exit status {code} before it recorded a run",
+                      code=code)
             _fail(f"sweep: the latest run in {st.uri} is not seed {seed}'s (another run in the same store?)", code=1)
-        runs[f"seed {seed} ({record.id})"] = effects.measure(effects.stage_metrics(record.public()))
+        # A stage that failed (a gate tripped, a crash) is a result of that seed: its run goes in
+        # the table with what it measured and the sweep goes on. A run stopped before any stage
+        # failed (interrupted, preempted) is not: rerun the sweep to continue it.
+        failed = [s["name"] for s in record.stages if s.get("state") == "failed"]
+        if code != 0 and not failed:
+            _fail(f"sweep: the run with seed {seed} ended with exit status {code}; rerun the sweep to continue "
+                  "from its published stages", code=code)
+        label = f"seed {seed} ({record.id}" + (f", {failed[0]} failed" if failed else "") + ")"
+        if code != 0:
+            failures[seed] = (code, f"{failed[0]} failed in run {record.id}")
+        shown = record.public()
+        runs[label] = effects.measure(effects.stage_metrics(shown), effects.failed_stages(shown))
         run_ids[str(seed)] = record.id
         typer.echo(f"sweep: seed {seed}: run {record.id} {record.state} in {walls[seed] / 60:.1f} min")
     from glmforge.report import default_out_dir
@@ -396,6 +410,7 @@ def sweep(
     folder.mkdir(parents=True, exist_ok=True)
     stem = f"sweep-{preset or (config.stem if config else 'tiny')}-seeds-{'-'.join(map(str, seed_list))}"
     saved = {"seeds": seed_list, "until": until, "overrides": base, "run_ids": run_ids,
+             "failed": {str(k): why for k, (_, why) in failures.items()},
              "wall_s": {str(k): round(v, 1) for k, v in walls.items()}, "runs": runs, "spread": effects.spread(runs)}
     (folder / f"{stem}.json").write_text(json.dumps(saved, indent=1))
     st.put_json(f"{effects.SWEEPS}{stem}.json", saved)   # where each run's report finds its sweep
@@ -404,6 +419,9 @@ def sweep(
     typer.echo(table, nl=False)
     typer.echo(f"wall time per seed (min): {', '.join(f'{k}: {v / 60:.1f}' for k, v in walls.items())}")
     typer.echo(md)
+    if failures:
+        _fail("sweep: " + "; ".join(f"seed {k}: {why}" for k, (_, why) in failures.items())
+              + " (their rows are in the table, from the stages that finished)", code=next(iter(failures.values()))[0])
 
 
 @app.command()

@@ -8,7 +8,11 @@ pipeline"), each a number taken from a stage's published metrics and the check i
     long_context_swa_gap   sliding window minus dense, mean over lengths                   <= -0.30
     qat_recovery_facts     sft: share of PTQ's fact-answer perplexity cost QAT wins back   >= 2/3
     reasoning_reward_gain  rl-reasoning: reward, last tenth of steps minus first tenth      >= 0.15
-    reasoning_heldout_gain rl-reasoning: held-out accuracy gain in standard errors         > 2
+    reasoning_heldout_gain rl-reasoning: held-out accuracy, k samples per prompt at the
+                           rollout temperature (the held-out expected reward), gain in
+                           standard errors                                                 > 2
+    reasoning_heldout_greedy  the same, greedy; passes too at its ceiling (before >= 0.95)
+                           when it did not fall by more than two standard errors           > 2
     agentic_heldout_gain   rl-agentic: held-out accuracy after minus before (mean over
                            envs); passes too at a ceiling (before >= 0.95) with reward up  > 0
     reward_model_accuracy  reward-model: held-out pairwise accuracy after training         >= 0.7
@@ -52,6 +56,11 @@ def _long_context(m: Metrics, method: str) -> Optional[float]:
         return None
     mean = lambda table: sum(float(table[n]) for n in lengths) / len(lengths)  # noqa: E731
     return mean(other) - (mean(full) if method != "full" else 0.0)
+
+
+def _greedy_passes(v: float, m: Metrics) -> bool:
+    h = (m.get("rl-reasoning") or {}).get("heldout_accuracy") or {}
+    return v > 2 or ((_num(h.get("before")) or 0) >= 0.95 and v >= -2)
 
 
 def _first_last_gain(v: Any) -> Optional[float]:
@@ -118,8 +127,12 @@ EFFECTS: tuple[Effect, ...] = (
            ">= 0.667", _get("sft", "qat_recovery_facts_ppl"), lambda v, m: v >= 2 / 3),
     Effect("reasoning_reward_gain", "rl-reasoning", "reward, last tenth of the steps minus the first", ">= 0.15",
            lambda m: _first_last_gain((m.get("rl-reasoning") or {}).get("reward")), lambda v, m: v >= 0.15),
-    Effect("reasoning_heldout_gain", "rl-reasoning", "held-out accuracy gain in standard errors", "> 2",
-           _get("rl-reasoning", "heldout_accuracy", "gain_in_stderr"), lambda v, m: v > 2),
+    Effect("reasoning_heldout_gain", "rl-reasoning", "held-out accuracy sampled at the rollout temperature "
+           "(expected reward), gain in standard errors", "> 2",
+           _get("rl-reasoning", "heldout_sampled_accuracy", "gain_in_stderr"), lambda v, m: v > 2),
+    Effect("reasoning_heldout_greedy", "rl-reasoning", "held-out greedy accuracy, gain in standard errors",
+           "> 2, or at its ceiling (before >= 0.95) and not down 2", _get("rl-reasoning", "heldout_accuracy",
+                                                                          "gain_in_stderr"), _greedy_passes),
     Effect("agentic_heldout_gain", "rl-agentic", "held-out accuracy after minus before (mean over envs)",
            "> 0, or at its ceiling with reward rising", _agentic_gain, _agentic_passes),
     Effect("reward_model_accuracy", "reward-model", "held-out pairwise accuracy", ">= 0.7",
@@ -140,13 +153,19 @@ def stage_metrics(record: dict[str, Any]) -> Metrics:
             if s.get("state") in ("done", "cached")}
 
 
-def measure(m: Metrics) -> dict[str, dict[str, Any]]:
-    """{effect: {"value", "passed", "stage", "target"}} for one run (value/passed None: not measured)."""
+def failed_stages(record: dict[str, Any]) -> set[str]:
+    """The stages that failed in a run record as `glmforge status --json` prints it."""
+    return {s["name"] for s in record.get("stages", []) if s.get("state") == "failed"}
+
+
+def measure(m: Metrics, failed: set[str] = frozenset()) -> dict[str, dict[str, Any]]:
+    """{effect: {"value", "passed", "stage", "target"}} for one run (value/passed None: not measured).
+    The rows of a stage in `failed` (a gate stopped it, it crashed) have no value and did not pass."""
     out = {}
     for e in EFFECTS:
-        v = e.value(m)
-        out[e.name] = {"value": v, "passed": None if v is None else bool(e.passes(v, m)), "stage": e.stage,
-                       "target": e.target}
+        v = None if e.stage in failed else e.value(m)
+        passed = False if e.stage in failed else None if v is None else bool(e.passes(v, m))
+        out[e.name] = {"value": v, "passed": passed, "stage": e.stage, "target": e.target}
     return out
 
 

@@ -650,7 +650,8 @@ def posttraining(run: RunData) -> str:
                + note("first / last: mean over the first and the last tenth of the steps (at least one)."))
     # held-out accuracy before/after
     rows = []
-    for s, key, label in (("rl-reasoning", "heldout_accuracy", "held-out reasoning prompts"),
+    for s, key, label in (("rl-reasoning", "heldout_accuracy", "held-out reasoning prompts, greedy"),
+                          ("rl-reasoning", "heldout_sampled_accuracy", "held-out reasoning prompts, sampled"),
                           ("rl-reasoning", "gsm8k_test_accuracy", "GSM8K test"), ("rl-agentic", "heldout_accuracy", None)):
         v = run.metrics(s).get(key)
         if not isinstance(v, dict):
@@ -667,7 +668,9 @@ def posttraining(run: RunData) -> str:
                          td(get(e, "gain_in_stderr"), f"{mid}.gain_in_stderr")])
     out.append("<h3>Held-out accuracy</h3>" + table(["stage", "eval", "n", "before ± s.e.", "after ± s.e.",
                                                       "gain in s.e."], rows)
-               + note("† the stage recorded n but not the standard error: binomial √(p(1−p)/n), computed here."))
+               + note("sampled: the mean of k samples per prompt at the rollout temperature (the held-out expected "
+                      "reward), its standard error over the prompts. † the stage recorded n but not the standard "
+                      "error: binomial √(p(1−p)/n), computed here."))
     # distillation: how much of each teacher's domain the student kept
     dom = run.metrics("distill").get("domain_accuracy")
     if isinstance(dom, dict) and dom:
@@ -925,7 +928,8 @@ def effects_section(run: RunData) -> str:
     """The recipe's effects this run measured, each against its target (glmforge.effects)."""
     from glmforge import effects
 
-    measured = effects.measure({name: run.metrics(name) for name in run.stages})
+    measured = effects.measure({name: run.metrics(name) for name in run.stages},
+                               {name for name, s in run.stages.items() if s.get("state") == "failed"})
     rows = []
     for e in effects.EFFECTS:
         value, passed = measured[e.name]["value"], measured[e.name]["passed"]

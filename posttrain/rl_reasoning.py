@@ -18,8 +18,10 @@ step), so a resumed stage replays exactly the rollouts an uninterrupted one woul
 
 Metrics: per step in metrics.jsonl and TensorBoard (reward per domain, IcePop masked fraction,
 clip fraction, entropy, response length, zero-variance groups, reward failures by reason); for
-the stage: reward first/last (means over the first/last 10% of steps), greedy held-out accuracy
-on the synthetic domain before/after with standard errors, GSM8K test accuracy before/after.
+the stage: reward first/last (means over the first/last 10% of steps), held-out accuracy on the
+synthetic domain before/after with standard errors, greedy and sampled (k samples per prompt at
+the rollout temperature: the held-out expected reward, which still moves when SFT has left
+greedy accuracy at its ceiling), GSM8K test accuracy before/after.
 """
 from __future__ import annotations
 
@@ -99,6 +101,9 @@ class RLReasoningConfig(BaseModel):
     gsm8k_skip: int = Field(200, ge=0, description="GSM8K train lines SFT holds out (not RL prompts)")
     mbpp_path: str = "{samples}/mbpp/mbpp.jsonl"
     heldout: int = Field(200, ge=1, description="held-out synthetic prompts, greedy, before and after")
+    heldout_samples: int = Field(8, ge=0, description="samples per held-out prompt at the rollout temperature, "
+                                 "before and after: the held-out expected reward, which moves where greedy "
+                                 "accuracy sits at its ceiling (0: greedy only)")
     gsm8k_test_path: str = "{samples}/gsm8k/test.jsonl"
     gsm8k_test: int = Field(16, ge=0, description="GSM8K test questions scored before and after (greedy)")
     gsm8k_max_new_tokens: int = Field(256, ge=1)
@@ -191,12 +196,33 @@ def heldout_accuracy(engine: RolloutEngine, worker: RewardWorker, tokenizer, tas
     return {"acc": p, "stderr": math.sqrt(p * (1 - p) / len(samples)), "n": len(samples)}
 
 
+@torch.no_grad()
+def sampled_accuracy(engine: RolloutEngine, worker: RewardWorker, tokenizer, tasks: list[Task], k: int,
+                     sampling: SamplingParams, timeout_s: float, seed: int) -> dict[str, float]:
+    """Mean accuracy of `k` samples per prompt at the rollout sampling: the held-out expected
+    reward that GRPO raises. Its standard error is over prompts (the per-prompt means are the
+    independent draws), so k only narrows each prompt's term. Its own generator, seeded, so the
+    number does not depend on the rollouts' RNG and a resumed stage measures the same."""
+    samples = [Sample(t, i, prompt_ids(tokenizer, t)) for i, t in enumerate(tasks) for _ in range(k)]
+    engine.generate(samples, sampling, torch.Generator().manual_seed(seed))
+    score(worker, samples, timeout_s)
+    per_prompt = [sum(s.reward >= 1.0 for s in samples[i * k:(i + 1) * k]) / k for i in range(len(tasks))]
+    n = len(per_prompt)
+    p = sum(per_prompt) / n
+    var = sum((x - p) ** 2 for x in per_prompt) / (n - 1) if n > 1 else 0.0
+    return {"acc": p, "stderr": math.sqrt(var / n), "n": n, "samples": k}
+
+
 def evaluate(engine: RolloutEngine, policy: GLMModel, worker: RewardWorker, tokenizer, cfg: RLReasoningConfig,
-             heldout: list[Task], gsm8k: list[Task], version: int) -> dict[str, Any]:
+             heldout: list[Task], gsm8k: list[Task], version: int, seed: int) -> dict[str, Any]:
     # Evaluated as deployed: through the rollout engine (INT4 when rollouts are INT4).
     engine.sync(policy, version)
     digits = len(heldout[0].answer.split()) + 1
     out = {"heldout": heldout_accuracy(engine, worker, tokenizer, heldout, digits, cfg.reward_timeout_s)}
+    if cfg.heldout_samples:
+        sampling = SamplingParams(cfg.temperature, cfg.top_p, digits)
+        out["heldout_sampled"] = sampled_accuracy(engine, worker, tokenizer, heldout, cfg.heldout_samples, sampling,
+                                                  cfg.reward_timeout_s, seed)
     if gsm8k:
         out["gsm8k_test"] = heldout_accuracy(engine, worker, tokenizer, gsm8k, cfg.gsm8k_max_new_tokens,
                                              cfg.reward_timeout_s)
@@ -271,7 +297,7 @@ def train(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir,
         if resumed is not None:
             start, before = resumed[0], resumed[1]["before"]
         elif lead:
-            start, before = 0, evaluate(engine, model, worker, tokenizer, cfg, heldout, gsm8k, 0)
+            start, before = 0, evaluate(engine, model, worker, tokenizer, cfg, heldout, gsm8k, 0, seed)
             before["gates"] = trainer.measure_gates(model, tokenizer, cfg.gates, seed)
         else:
             start, before = 0, {}
@@ -281,7 +307,7 @@ def train(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir,
                           describe=lambda r: f"reward {r['reward']:.3f}")
         if not lead:
             return None
-        after = evaluate(engine, model, worker, tokenizer, cfg, heldout, gsm8k, cfg.steps + 1)
+        after = evaluate(engine, model, worker, tokenizer, cfg, heldout, gsm8k, cfg.steps + 1, seed)
     after["gates"] = trainer.measure_gates(model, tokenizer, cfg.gates, seed)
 
     records = metrics.read(log_path)
@@ -302,8 +328,11 @@ def train(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir,
 
 def summary(cfg: RLReasoningConfig, records: list[dict[str, Any]], before: dict[str, Any],
             after: dict[str, Any]) -> dict[str, Any]:
-    b, a = before["heldout"], after["heldout"]
-    se = math.sqrt(b["stderr"] ** 2 + a["stderr"] ** 2)
+    def gain(b: dict[str, Any], a: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        se = math.sqrt(b["stderr"] ** 2 + a["stderr"] ** 2)
+        return {"before": b["acc"], "after": a["acc"], "stderr_before": b["stderr"], "stderr_after": a["stderr"],
+                "n": a["n"], **extra, "gain_in_stderr": (a["acc"] - b["acc"]) / se if se > 0 else None}
+
     failures: Counter = Counter()
     for r in records:
         failures.update(r.get("reward_failures", {}))
@@ -312,9 +341,10 @@ def summary(cfg: RLReasoningConfig, records: list[dict[str, Any]], before: dict[
         "steps": len(records),
         "reward": metrics.first_last(records, "reward"),
         "reward_per_domain": {d: metrics.first_last(records, f"reward/{d}") for d in domains},
-        "heldout_accuracy": {"before": b["acc"], "after": a["acc"], "stderr_before": b["stderr"],
-                             "stderr_after": a["stderr"], "n": a["n"],
-                             "gain_in_stderr": (a["acc"] - b["acc"]) / se if se > 0 else None},
+        "heldout_accuracy": gain(before["heldout"], after["heldout"]),
+        "heldout_sampled_accuracy": (gain(before["heldout_sampled"], after["heldout_sampled"],
+                                          samples=after["heldout_sampled"]["samples"])
+                                     if "heldout_sampled" in before and "heldout_sampled" in after else None),
         "gsm8k_test_accuracy": ({"before": before["gsm8k_test"]["acc"], "after": after["gsm8k_test"]["acc"],
                                  "n": after["gsm8k_test"]["n"]} if "gsm8k_test" in after else None),
         "icepop_masked_fraction": sum(r.get("icepop_masked_fraction", 0.0) for r in records) / len(records),
@@ -343,6 +373,9 @@ def plot_rewards(records: list[dict[str, Any]], png: Path, result: dict[str, Any
     ax.plot(steps, [r["zero_variance_groups"] for r in records], label="zero-variance groups", alpha=0.6)
     h = result["heldout_accuracy"]
     ax.scatter([0, steps[-1]], [h["before"], h["after"]], color="red", zorder=3, label="held-out greedy accuracy")
+    if hs := result.get("heldout_sampled_accuracy"):
+        ax.scatter([0, steps[-1]], [hs["before"], hs["after"]], color="purple", marker="s", zorder=3,
+                   label=f"held-out accuracy, {hs['samples']} samples per prompt")
     ax.set_xlabel("step")
     ax.set_title("rl-reasoning (GRPO + IcePop)")
     ax.legend()

@@ -1,6 +1,7 @@
 """glmforge.effects: each effect read from stage metrics shaped as the stages publish them."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -16,7 +17,8 @@ def _metrics(**over) -> dict:
                                                 "swa": {"256": 0.2, "512": 0.1}}},
         "sft": {"qat_recovery_facts_ppl": 0.8},
         "rl-reasoning": {"reward": {"first": 0.3, "last": 0.6},
-                         "heldout_accuracy": {"before": 0.5, "after": 0.8, "gain_in_stderr": 6.0}},
+                         "heldout_accuracy": {"before": 0.5, "after": 0.8, "gain_in_stderr": 6.0},
+                         "heldout_sampled_accuracy": {"before": 0.4, "after": 0.7, "gain_in_stderr": 9.0}},
         "rl-agentic": {"reward": {"first": 0.5, "last": 0.8},
                        "heldout_accuracy": {"calc": {"before": 0.4, "after": 0.6, "n": 100}}},
         "reward-model": {"heldout_pairwise_accuracy": {"n": 64, "before": 0.5, "after": 0.75}},
@@ -49,10 +51,13 @@ def test_every_effect_of_a_good_run_is_measured_and_passes():
     ("dsa-adapt", {"long_context_accuracy": {"full": {"256": 1.0}, "dsa": {"256": 1.0}, "swa": {"256": 0.8}}},
      "long_context_swa_gap"),
     ("sft", {"qat_recovery_facts_ppl": 0.5}, "qat_recovery_facts"),
-    ("rl-reasoning", {"reward": {"first": 0.3, "last": 0.4},
-                      "heldout_accuracy": {"gain_in_stderr": 6.0}}, "reasoning_reward_gain"),
+    ("rl-reasoning", {"reward": {"first": 0.3, "last": 0.4}, "heldout_accuracy": {"gain_in_stderr": 6.0},
+                      "heldout_sampled_accuracy": {"gain_in_stderr": 6.0}}, "reasoning_reward_gain"),
+    ("rl-reasoning", {"reward": {"first": 0.3, "last": 0.6}, "heldout_accuracy": {"gain_in_stderr": 6.0},
+                      "heldout_sampled_accuracy": {"gain_in_stderr": 1.5}}, "reasoning_heldout_gain"),
     ("rl-reasoning", {"reward": {"first": 0.3, "last": 0.6},
-                      "heldout_accuracy": {"gain_in_stderr": 1.5}}, "reasoning_heldout_gain"),
+                      "heldout_accuracy": {"before": 0.5, "after": 0.55, "gain_in_stderr": 1.5},
+                      "heldout_sampled_accuracy": {"gain_in_stderr": 6.0}}, "reasoning_heldout_greedy"),
     ("reward-model", {"heldout_pairwise_accuracy": {"after": 0.65}}, "reward_model_accuracy"),
     ("distill", {"domain_accuracy": {"rl-reasoning": {"arithmetic_acc": {"recovered": -0.2}}}}, "distill_recovered"),
 ])
@@ -60,6 +65,14 @@ def test_a_missed_target_fails_its_row(stage, metrics, effect):
     got = effects.measure(_metrics(**{stage: metrics}))
     assert got[effect]["passed"] is False
     assert all(v["passed"] for k, v in got.items() if k != effect)
+
+
+@pytest.mark.parametrize("before, gain, passed", [(1.0, 0.0, True), (0.96, -1.9, True), (0.96, -2.5, False),
+                                                  (0.9, 1.0, False)])
+def test_greedy_reasoning_accuracy_may_sit_at_its_ceiling(before, gain, passed):
+    rl = {"reward": {"first": 0.8, "last": 0.95}, "heldout_sampled_accuracy": {"gain_in_stderr": 5.0},
+          "heldout_accuracy": {"before": before, "after": before, "gain_in_stderr": gain}}
+    assert effects.measure(_metrics(rl_reasoning=rl))["reasoning_heldout_greedy"]["passed"] is passed
 
 
 def test_rl_general_needs_its_gates_and_agentic_may_sit_at_its_ceiling():
@@ -104,3 +117,62 @@ def test_sweep_refuses_bad_seeds_before_any_run(tmp_path):
                          text=True, env=env, timeout=60)
     assert out.returncode == 2 and "the sweep sets it" in out.stderr
     assert not (tmp_path / "store").exists()
+
+
+def _fake_runs(store_uri: str, outcomes: dict[int, str]):
+    """A stand-in for the sweep's `glmforge run` subprocess: records a run of the seed in the
+    store whose rl-general ends as `outcomes[seed]` ("done", "failed" or "interrupted") and
+    returns the exit status such a run has."""
+    from glmforge.runner import RunRecord
+    from glmforge.store import open_store
+
+    def call(argv):
+        seed = int(next(a for a in argv if a.startswith("run.seed=")).split("=")[1])
+        outcome = outcomes[seed]
+        rec = RunRecord(id=f"run{seed:09d}", config={"run": {"seed": seed}}, source={},
+                        state={"done": "completed"}.get(outcome, outcome))
+        m = _metrics()
+        rec.stages = [{"name": n, "key": "k", "state": "done", "metrics": m[n], "artifact": None, "error": None}
+                      for n in ("rl-reasoning", "reward-model")]
+        rec.stages.append({"name": "rl-general", "key": "k", "state": outcome if outcome != "interrupted" else "not run",
+                           "metrics": m["rl-general"] if outcome == "done" else {}, "artifact": None,
+                           "error": "GateError: tool_call_validity" if outcome == "failed" else None})
+        rec.save(open_store(store_uri))
+        return {"done": 0, "failed": 1, "interrupted": 143}[outcome]
+    return call
+
+
+def test_sweep_tabulates_a_seed_whose_stage_failed_and_exits_nonzero(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from glmforge.cli import app
+
+    store = str(tmp_path / "store")
+    monkeypatch.setenv("GLMFORGE_HOME", str(tmp_path))
+    monkeypatch.setattr(subprocess, "call", _fake_runs(store, {0: "done", 1: "failed", 2: "done"}))
+    out = CliRunner().invoke(app, ["sweep", "--preset", "tiny", "--seeds", "0,1,2", "--store", store,
+                                                   "--out", str(tmp_path / "out")])
+    assert out.exit_code == 1, out.output
+    assert "seed 1: rl-general failed in run run000000001" in out.stderr
+    saved = json.loads((tmp_path / "out" / "sweep-tiny-seeds-0-1-2.json").read_text())
+    assert list(saved["runs"]) == ["seed 0 (run000000000)", "seed 1 (run000000001, rl-general failed)",
+                                   "seed 2 (run000000002)"]
+    assert saved["failed"] == {"1": "rl-general failed in run run000000001"}
+    general = saved["spread"]["general_verified_gain"]   # the failed stage's row: no value, not met
+    assert (general["passed"], general["measured"]) == (2, 3)
+    assert general["values"]["seed 1 (run000000001, rl-general failed)"] is None
+    assert saved["spread"]["reasoning_reward_gain"]["passed"] == 3   # the stages before it count
+
+
+def test_sweep_stops_at_a_run_that_was_interrupted(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from glmforge.cli import app
+
+    store = str(tmp_path / "store")
+    monkeypatch.setenv("GLMFORGE_HOME", str(tmp_path))
+    monkeypatch.setattr(subprocess, "call", _fake_runs(store, {0: "interrupted", 1: "done"}))
+    out = CliRunner().invoke(app, ["sweep", "--preset", "tiny", "--seeds", "0,1", "--store", store,
+                                                   "--out", str(tmp_path / "out")])
+    assert out.exit_code == 143 and "rerun the sweep to continue" in out.stderr
+    assert not (tmp_path / "out").exists()

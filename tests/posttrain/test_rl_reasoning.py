@@ -41,6 +41,8 @@ def test_stage_reports_rewards_heldout_and_icepop(inputs, tmp_path):
     assert set(m["reward"]) == {"first", "last"} and set(m["reward_per_domain"]) == {"arithmetic"}
     h = m["heldout_accuracy"]
     assert h["n"] == 8 and 0 <= h["before"] <= 1 and h["stderr_after"] >= 0
+    hs = m["heldout_sampled_accuracy"]   # 8 samples of each of the 8 held-out prompts
+    assert hs["n"] == 8 and hs["samples"] == 8 and 0 <= hs["after"] <= 1 and hs["stderr_after"] >= 0
     assert m["gsm8k_test_accuracy"]["n"] == 2
     assert 0 <= m["icepop_masked_fraction"] <= 1 and m["rollout_int4"] is True
     assert {"arithmetic_acc", "heldout_ppl"} <= set(m["gates"]["rl-reasoning"])
@@ -86,6 +88,8 @@ def test_learning_rate_zero_control_stays_flat(inputs, tmp_path):
     after = load_file(tmp_path / "out" / "consolidated.safetensors")
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert m["heldout_accuracy"]["before"] == m["heldout_accuracy"]["after"]
+    # the sampled evaluation has its own seeded generator: the same weights sample the same
+    assert m["heldout_sampled_accuracy"]["before"] == m["heldout_sampled_accuracy"]["after"]
 
 
 def test_prompts_of_a_step_depend_only_on_seed_and_step():
