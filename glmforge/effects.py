@@ -22,8 +22,8 @@ pipeline"), each a number taken from a stage's published metrics and the check i
                            it won back (mean over the evals where it was behind)           > 0
 
 A row whose stage did not run (or did not record the number) is None and neither passes nor
-fails. `spread` gives mean and sample std over several runs (a seed sweep) and whether the check
-held in each."""
+fails; a row whose stage failed (a gate stopped it) is None and fails. `spread` gives mean and
+sample std over several runs (a seed sweep) and whether the check held in each."""
 from __future__ import annotations
 
 import math
