@@ -326,8 +326,7 @@ def effects_cmd(
         record = RunRecord.load(st, rid)
         if record is None:
             _fail(f"no run {rid!r} in {st.uri}" if rid else f"no run recorded in {st.uri}")
-        shown = record.public()
-        runs[record.id] = effects.measure(effects.stage_metrics(shown), effects.failed_stages(shown))
+        runs[record.id] = effects.measure_record(record.public())
     if as_json:
         typer.echo(json.dumps({"runs": runs, "spread": effects.spread(runs)}, indent=2, sort_keys=True))
     else:
@@ -393,15 +392,14 @@ def sweep(
         # A stage that failed (a gate tripped, a crash) is a result of that seed: its run goes in
         # the table with what it measured and the sweep goes on. A run stopped before any stage
         # failed (interrupted, preempted) is not: rerun the sweep to continue it.
-        failed = [s["name"] for s in record.stages if s.get("state") == "failed"]
+        failed = effects.failed_stages(record.stages)
         if code != 0 and not failed:
             _fail(f"sweep: the run with seed {seed} ended with exit status {code}; rerun the sweep to continue "
                   "from its published stages", code=code)
         label = f"seed {seed} ({record.id}" + (f", {failed[0]} failed" if failed else "") + ")"
         if code != 0:
             failures[seed] = (code, f"{failed[0]} failed in run {record.id}")
-        shown = record.public()
-        runs[label] = effects.measure(effects.stage_metrics(shown), effects.failed_stages(shown))
+        runs[label] = effects.measure_record(record.public())
         run_ids[str(seed)] = record.id
         typer.echo(f"sweep: seed {seed}: run {record.id} {record.state} in {walls[seed] / 60:.1f} min")
     from glmforge.report import default_out_dir

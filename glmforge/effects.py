@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 Metrics = dict[str, dict[str, Any]]     # stage name -> that stage's metrics
 
@@ -153,9 +153,14 @@ def stage_metrics(record: dict[str, Any]) -> Metrics:
             if s.get("state") in ("done", "cached")}
 
 
-def failed_stages(record: dict[str, Any]) -> set[str]:
-    """The stages that failed in a run record as `glmforge status --json` prints it."""
-    return {s["name"] for s in record.get("stages", []) if s.get("state") == "failed"}
+def failed_stages(stages: Iterable[dict[str, Any]]) -> list[str]:
+    """The names of the stages that failed, in pipeline order (a run record's `stages`)."""
+    return [s["name"] for s in stages if s.get("state") == "failed"]
+
+
+def measure_record(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """`measure` of a run record as `glmforge status --json` prints it (RunRecord.public())."""
+    return measure(stage_metrics(record), set(failed_stages(record.get("stages", []))))
 
 
 def measure(m: Metrics, failed: set[str] = frozenset()) -> dict[str, dict[str, Any]]:

@@ -929,7 +929,7 @@ def effects_section(run: RunData) -> str:
     from glmforge import effects
 
     measured = effects.measure({name: run.metrics(name) for name in run.stages},
-                               {name for name, s in run.stages.items() if s.get("state") == "failed"})
+                               set(effects.failed_stages(run.stages.values())))
     rows = []
     for e in effects.EFFECTS:
         value, passed = measured[e.name]["value"], measured[e.name]["passed"]

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator, field_validator
 
 from chat.template import STOP_TOKENS
 from data_processing.tokenizer import load_tokenizer
@@ -47,7 +47,7 @@ from quant.qat import QATConfig, prepare_qat, ptq_int4, remove_qat, save_int4
 from rl import gates, trainer
 from rl.algorithms import PolicyLossName
 from rl.gates import EVALS, GateConfig
-from rl.ranks import SINGLE, ParallelConfig, Ranks
+from rl.ranks import check_placement, SINGLE, ParallelConfig, Ranks
 from rl.rollout import RolloutConfig, RolloutEngine, SamplingParams, open_engine, prompt_ids
 from rl.sample import Sample, Status
 from rl.trainer import GateCheck, OptimConfig
@@ -91,6 +91,11 @@ class DistillConfig(BaseModel):
     keep_last: int = Field(2, ge=1)
     parallel: ParallelConfig = Field(ParallelConfig(), description="the trainer's ranks (rl.ranks); one: in the "
                                      "stage's process")
+
+    @model_validator(mode="after")
+    def _placement(self) -> "DistillConfig":
+        check_placement("distill", self.parallel, self.rollout.backend)
+        return self
 
     @field_validator("teachers")
     @classmethod

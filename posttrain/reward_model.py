@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from safetensors.torch import load_file, save_file
 
 from chat.template import pair_text_ids
@@ -51,7 +51,7 @@ from model.hf import load_state, save_state
 from model.model import GLMModel
 from rl import trainer
 from rl.algorithms import PREFERENCE_LOSSES, PreferenceLossName
-from rl.ranks import SINGLE, ParallelConfig, Ranks
+from rl.ranks import check_placement, SINGLE, ParallelConfig, Ranks
 from rl.trainer import OptimConfig
 from training import metrics
 
@@ -79,6 +79,11 @@ class RewardModelConfig(BaseModel):
     keep_last: int = Field(2, ge=1)
     parallel: ParallelConfig = Field(ParallelConfig(), description="the trainer's ranks (rl.ranks); one: in the "
                                      "stage's process")
+
+    @model_validator(mode="after")
+    def _placement(self) -> "RewardModelConfig":
+        check_placement("reward-model", self.parallel, "native")
+        return self
 
 
 # ---------------------------------------------------------------- pairs

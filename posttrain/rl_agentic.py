@@ -57,7 +57,7 @@ from rl.algorithms import AdvantageName, PolicyLossName
 from rl.envs import ENVIRONMENTS, make_env, tasks_for
 from rl.gates import GateConfig
 from rl.orchestrator import WorkerPool
-from rl.ranks import SINGLE, ParallelConfig, Ranks, is_engine
+from rl.ranks import check_placement, SINGLE, ParallelConfig, Ranks, is_engine
 from rl.rollout import RolloutConfig, RolloutEngine, SamplingParams, open_engine
 from rl.sample import Sample
 from rl.sandbox import require_isolation
@@ -154,6 +154,11 @@ class RLAgenticConfig(BaseModel):
         if self.rollout.backend == "vllm" and self.parallel.launch.world_size > 1:
             raise ValueError("rl-agentic on vLLM trains on one rank (its trainer ranks would each need the servers' "
                              "weight updates coordinated: not built)")
+        return self
+
+    @model_validator(mode="after")
+    def _placement(self) -> "RLAgenticConfig":
+        check_placement("rl-agentic", self.parallel, self.rollout.backend)
         return self
 
 

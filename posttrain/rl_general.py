@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator, field_validator
 
 from chat.template import STOP_TOKENS
 from data_processing.tokenizer import load_tokenizer
@@ -63,7 +63,7 @@ from rl.judges import (
     rule_reward,
     valid_tool_call,
 )
-from rl.ranks import SINGLE, ParallelConfig, Ranks
+from rl.ranks import check_placement, SINGLE, ParallelConfig, Ranks
 from rl.rewards import REWARDS
 from rl.rollout import RolloutConfig, RolloutEngine, SamplingParams, open_engine, prompt_ids
 from rl.sample import Sample, Status
@@ -122,6 +122,11 @@ class RLGeneralConfig(BaseModel):
     parallel: ParallelConfig = Field(ParallelConfig(), description="the trainer's ranks (rl.ranks); one: in the "
                                      "stage's process")
     examples: int = Field(8, ge=0)
+
+    @model_validator(mode="after")
+    def _placement(self) -> "RLGeneralConfig":
+        check_placement("rl-general", self.parallel, self.rollout.backend)
+        return self
 
     @field_validator("prompts")
     @classmethod

@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import random
+import statistics
 import time
 from collections import Counter
 from pathlib import Path
@@ -48,7 +49,7 @@ from quant.qat import QATConfig
 from rl import gates, reward_audit, trainer
 from rl.algorithms import AdvantageName, PolicyLossName
 from rl.gates import GateConfig
-from rl.ranks import SINGLE, ParallelConfig, Ranks
+from rl.ranks import check_placement, SINGLE, ParallelConfig, Ranks
 from rl.rewards import RewardWorker
 from rl.rollout import RolloutConfig, RolloutEngine, SamplingParams, open_engine, prompt_ids
 from rl.sample import Sample, Status
@@ -132,6 +133,11 @@ class RLReasoningConfig(BaseModel):
             raise ValueError("routing_replay needs rollout.backend=native (vLLM's routed experts are not wired in)")
         return self
 
+    @model_validator(mode="after")
+    def _placement(self) -> "RLReasoningConfig":
+        check_placement("rl-reasoning", self.parallel, self.rollout.backend)
+        return self
+
 
 def require_sandbox(cfg: RLReasoningConfig) -> None:
     """Refuse to start (rl.sandbox.SandboxError) when the code domain would run model-written code
@@ -208,15 +214,14 @@ def sampled_accuracy(engine: RolloutEngine, worker: RewardWorker, tokenizer, tas
     score(worker, samples, timeout_s)
     per_prompt = [sum(s.reward >= 1.0 for s in samples[i * k:(i + 1) * k]) / k for i in range(len(tasks))]
     n = len(per_prompt)
-    p = sum(per_prompt) / n
-    var = sum((x - p) ** 2 for x in per_prompt) / (n - 1) if n > 1 else 0.0
-    return {"acc": p, "stderr": math.sqrt(var / n), "n": n, "samples": k}
+    stderr = statistics.stdev(per_prompt) / math.sqrt(n) if n > 1 else 0.0
+    return {"acc": statistics.fmean(per_prompt), "stderr": stderr, "n": n, "samples": k}
 
 
-def evaluate(engine: RolloutEngine, policy: GLMModel, worker: RewardWorker, tokenizer, cfg: RLReasoningConfig,
-             heldout: list[Task], gsm8k: list[Task], version: int, seed: int) -> dict[str, Any]:
-    # Evaluated as deployed: through the rollout engine (INT4 when rollouts are INT4).
-    engine.sync(policy, version)
+def evaluate(engine: RolloutEngine, worker: RewardWorker, tokenizer, cfg: RLReasoningConfig,
+             heldout: list[Task], gsm8k: list[Task], seed: int) -> dict[str, Any]:
+    # Evaluated as deployed: through the rollout engine (INT4 when rollouts are INT4), which the
+    # caller has synced to the policy.
     digits = len(heldout[0].answer.split()) + 1
     out = {"heldout": heldout_accuracy(engine, worker, tokenizer, heldout, digits, cfg.reward_timeout_s)}
     if cfg.heldout_samples:
@@ -241,13 +246,19 @@ def run_rl_reasoning(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: W
 
 def train(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir,
           ranks: Ranks = SINGLE) -> dict[str, Any] | None:
-    """The stage in this process, or as one of `ranks` (rl.launch): each rank generates and scores
-    its share of the step's groups with its own sampling RNG, every rank trains on all of them
-    (rl.ranks), rank 0 evaluates, gates, exports and returns the result (the others None)."""
+    """The stage in this process, or as one of `ranks` (rl.launch): each rank generates (with its
+    own engine, or through the rollout servers) and scores its share of the step's groups with its
+    own sampling RNG, every rank trains on all of them (rl.ranks; the experts sharded over them with
+    parallel.expert_parallel), rank 0 evaluates, gates, exports and returns the result (the others
+    None)."""
     seed = workdir.seed
     lead = ranks.rank == 0
     tokenizer = load_tokenizer(inputs["tokenize"])
     model = trainer.load_policy(inputs["sft"], "sft", tokenizer, seed, cfg.threads)
+    if cfg.parallel.expert_parallel > 1 and ranks.world > 1:
+        from training import expert_parallel
+
+        ranks = Ranks(ranks.rank, ranks.world, expert_parallel.setup(model, cfg.parallel.expert_parallel))
     stop_ids = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
     pad_id = tokenizer.token_to_id("<|pad|>")
     pools = load_pools(cfg.domains, gsm8k_path=cfg.gsm8k_path, gsm8k_skip=cfg.gsm8k_skip, mbpp_path=cfg.mbpp_path)
@@ -263,8 +274,10 @@ def train(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir,
     ckpt_root, log_path = workdir.checkpoint / trainer.CHECKPOINTS, workdir.checkpoint / "metrics.jsonl"
     last: list[Sample] = []
 
-    with open_engine(cfg.rollout, model, tokenizer, stop_ids, pad_id, workdir.checkpoint / f"engine-rank{ranks.rank}",
-                     int4=cfg.rollout_int4, batch_size=cfg.rollout_batch, record_routes=cfg.routing_replay
+    served = cfg.rollout.backend == "native_server"
+    engine_root = workdir.checkpoint / ("engine" if served else f"engine-rank{ranks.rank}")
+    with open_engine(cfg.rollout, model, tokenizer, stop_ids, pad_id, engine_root, int4=cfg.rollout_int4,
+                     batch_size=cfg.rollout_batch, record_routes=cfg.routing_replay, ranks=ranks
                      ) as engine, RewardWorker() as worker:
         def one_step(step: int) -> dict[str, Any]:
             t0 = time.perf_counter()
@@ -273,7 +286,12 @@ def train(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir,
             lo, hi = ranks.bounds(len(tasks))               # this rank's groups (all of them on one)
             mine = [Sample(t, g, prompt_ids(tokenizer, t)) for g, t in enumerate(tasks) if lo <= g < hi
                     for _ in range(cfg.group_size)]
-            engine.generate(mine, sampling, sample_gen)
+            if served:       # one seed per group, drawn alike on any placement: rank count changes nothing
+                step_gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+                seeds = torch.randint(0, 2**31 - 1, (len(tasks),), generator=step_gen).tolist()
+                engine.generate(mine, sampling, sample_gen, seeds={g: seeds[g] for g in range(lo, hi)})
+            else:
+                engine.generate(mine, sampling, sample_gen)
             t1 = time.perf_counter()
             failures = score(worker, mine, cfg.reward_timeout_s)
             reward_audit.recheck_rewarded(worker, mine, cfg.recheck_per_step, seed, step, cfg.reward_timeout_s)
@@ -296,26 +314,36 @@ def train(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir,
         resumed = trainer.load_latest(ckpt_root, policy, log_path, "rl-reasoning")
         if resumed is not None:
             start, before = resumed[0], resumed[1]["before"]
-        elif lead:
-            start, before = 0, evaluate(engine, model, worker, tokenizer, cfg, heldout, gsm8k, 0, seed)
-            before["gates"] = trainer.measure_gates(model, tokenizer, cfg.gates, seed)
         else:
+            engine.sync(model, 0)                            # on every rank: a collective with servers
+            whole = trainer.whole_model(model, ranks)        # a collective with expert parallelism
             start, before = 0, {}
+            if lead:
+                before = evaluate(engine, worker, tokenizer, cfg, heldout, gsm8k, seed)
+                before["gates"] = trainer.measure_gates(whole, tokenizer, cfg.gates, seed)
         trainer.run_steps("rl-reasoning", policy, one_step, start=start, steps=cfg.steps, root=ckpt_root,
                           log_path=log_path, workdir=workdir, checkpoint_every=cfg.checkpoint_every,
                           keep_last=cfg.keep_last, meta=lambda: {"before": before},
                           describe=lambda r: f"reward {r['reward']:.3f}")
+        engine.sync(model, cfg.steps + 1)
+        whole = trainer.whole_model(model, ranks)
         if not lead:
             return None
-        after = evaluate(engine, model, worker, tokenizer, cfg, heldout, gsm8k, cfg.steps + 1, seed)
-    after["gates"] = trainer.measure_gates(model, tokenizer, cfg.gates, seed)
+        after = evaluate(engine, worker, tokenizer, cfg, heldout, gsm8k, seed)
+    after["gates"] = trainer.measure_gates(whole, tokenizer, cfg.gates, seed)
 
     records = metrics.read(log_path)
     result = summary(cfg, records, before, after)
     result["trainer_ranks"] = ranks.world
+    result["placement"] = {"trainer_ranks": ranks.world, "expert_parallel": cfg.parallel.expert_parallel,
+                           "rollout": cfg.rollout.backend,
+                           "servers": (len(cfg.rollout.native_server.urls) or cfg.rollout.native_server.replicas)
+                           if cfg.rollout.backend == "native_server" else 0}
+    if cfg.rollout.backend == "native_server":
+        result["weight_sync"] = weight_sync_summary(records)
     gate = GateCheck(cfg.gates, before["gates"], after["gates"], "sft", gates.read_chain(inputs.get("sft")), seed)
     result["gates"] = trainer.publish(
-        "rl-reasoning", workdir.out, records, model=model, tokenizer_dir=inputs["tokenize"], gate=gate,
+        "rl-reasoning", workdir.out, records, model=whole, tokenizer_dir=inputs["tokenize"], gate=gate,
         export_info={"heldout_before": result["heldout_accuracy"]["before"],
                      "heldout_after": result["heldout_accuracy"]["after"]},
         plot=lambda rs, out: plot_rewards(rs, out / "reward.png", result))
@@ -324,6 +352,17 @@ def train(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir,
             f.write(json.dumps({"domain": s.task.domain, "prompt": s.task.prompt, "response": s.text,
                                 "answer": s.task.answer, "reward": s.reward, "status": s.status.value}) + "\n")
     return result
+
+
+def weight_sync_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Bytes the trainer's ranks published per version, whole and as deltas, against what every
+    version would have cost whole (rl.served)."""
+    syncs = [r for r in records if "sync/bytes" in r]
+    deltas = [r for r in syncs if r["sync/delta"]]
+    return {"versions": len(syncs), "deltas": len(deltas), "full_bytes": syncs[-1]["sync/full_bytes"] if syncs else 0,
+            "bytes_per_delta": statistics.fmean(r["sync/bytes"] for r in deltas) if deltas else None,
+            "seconds_per_sync": statistics.fmean(r["sync/seconds"] for r in syncs) if syncs else None,
+            "server_restarts": max((r["servers/restarts"] for r in syncs), default=0)}
 
 
 def summary(cfg: RLReasoningConfig, records: list[dict[str, Any]], before: dict[str, Any],

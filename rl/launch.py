@@ -69,7 +69,9 @@ def run_on_ranks(stage: str, cfg: BaseModel, inputs: dict[str, Path], workdir: W
     from rl.trainer import CHECKPOINTS, refuse_other_world
     from training.launch import run_ranks
 
-    refuse_other_world(workdir.checkpoint / CHECKPOINTS, launch.world_size, stage)   # before any rank starts
+    parallel = getattr(cfg, "parallel", None)
+    refuse_other_world(workdir.checkpoint / CHECKPOINTS, launch.world_size, stage,     # before any rank starts
+                       expert_parallel=parallel.expert_parallel if parallel is not None else None)
     result = workdir.checkpoint / RESULT
     result.unlink(missing_ok=True)
     spec = RLRankSpec(stage=stage, config=cfg.model_dump(mode="json"), inputs=inputs, out=workdir.out,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Sequence, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 from training.config import LaunchConfig
@@ -112,14 +112,42 @@ SINGLE = Ranks()
 class ParallelConfig(BaseModel):
     """The `parallel:` section of an RL stage: where its trainer runs. One rank (the default)
     trains in the stage's process with a torch AdamW; more start under the launcher pretraining
-    uses (rl.launch) and train through a DeepSpeed engine at `zero_stage`. Expert parallelism is
-    in the update (build_engine, tested) but not in the stages: their rollouts and evaluations
-    decode on each rank alone, and an expert-parallel model's every forward is a collective."""
+    uses (rl.launch) and train through a DeepSpeed engine at `zero_stage`. With
+    `expert_parallel` > 1 the experts are sharded over the trainer's ranks (training.expert_parallel)
+    and every forward is a collective, so the ranks only train: rollouts come from servers
+    (rollout.backend=native_server, rl.served) and the stage evaluates through them."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     launch: LaunchConfig = LaunchConfig()
     zero_stage: Literal[0, 1, 2] = 0
+    expert_parallel: int = Field(1, ge=1, description="ranks each MoE layer's experts are sharded over (divides "
+                                 "the rank count and the model's n_routed_experts)")
+
+    @model_validator(mode="after")
+    def _ep_divides(self) -> "ParallelConfig":
+        if self.launch.world_size % self.expert_parallel:
+            raise ValueError(f"parallel.expert_parallel={self.expert_parallel} must divide the trainer's rank count "
+                             f"(parallel.launch: {self.launch.world_size})")
+        return self
+
+
+# the RL stages whose trainer can run beside rollout servers (the others generate, judge or score
+# teachers with their own copy of the model)
+SERVED_STAGES = ("rl-reasoning",)
+
+
+def check_placement(stage: str, parallel: ParallelConfig, backend: str) -> None:
+    """Refuse, before anything starts, a placement the stage cannot run: expert parallelism on
+    ranks that would have to generate, or rollout servers where the stage does not use them yet."""
+    served = stage in SERVED_STAGES
+    if backend == "native_server" and not served:
+        raise ValueError(f"{stage}: rollout.backend=native_server is not supported yet (only {', '.join(SERVED_STAGES)}"
+                         f"); use native or vllm")
+    if parallel.expert_parallel > 1 and backend != "native_server":
+        raise ValueError(f"{stage}: parallel.expert_parallel={parallel.expert_parallel} needs "
+                         f"rollout.backend=native_server: with the experts sharded no trainer rank holds a whole "
+                         f"model to generate with" + ("" if served else f" (not supported yet in {stage})"))
 
 
 def is_engine(optimizer: Any) -> bool:

@@ -27,7 +27,9 @@ from model.generate import generate
 from model.model import GLMModel
 from model.moe import recording_routes
 from quant.qat import QATConfig, prepare_qat
+from rl.ranks import SINGLE, Ranks
 from rl.sample import Sample, Status
+from rl.served import NativeServerConfig
 from rl.vllm_server import VLLMConfig
 
 
@@ -48,21 +50,30 @@ def prompt_ids(tokenizer, task: Task, tools: list[dict] | None = None) -> list[i
 class RolloutConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    backend: Literal["native", "vllm"] = Field("native", description=(
-        "native: this module's engine in the stage's process; vllm: vLLM servers the stage starts and stops "
-        "(rl.vllm_engine; `make vllm-setup`)"))
+    backend: Literal["native", "native_server", "vllm"] = Field("native", description=(
+        "native: this module's engine in the stage's process (on ranks: each rank's own copy); native_server: "
+        "the same engine as server processes the stage starts and stops, the trainer's ranks only train "
+        "(rl.served); vllm: vLLM servers the stage starts and stops (rl.vllm_engine; `make vllm-setup`)"))
     vllm: VLLMConfig = VLLMConfig()
+    native_server: NativeServerConfig = NativeServerConfig()
 
 
 def open_engine(cfg: RolloutConfig, policy: GLMModel, tokenizer, stop_ids: list[int], pad_id: int, root: Path, *,
-                int4: QATConfig | None = None, batch_size: int = 64, record_routes: bool = False):
+                int4: QATConfig | None = None, batch_size: int = 64, record_routes: bool = False,
+                ranks: Ranks = SINGLE):
     """The rollout engine a stage's `rollout:` section asks for, as a context manager that stops
-    what it started (vLLM's servers) however the stage ends. root: the engine's files."""
+    what it started (servers) however the stage ends. root: the engine's files. With
+    native_server every rank of `ranks` opens it together (rank 0 starts the servers)."""
     if cfg.backend == "native":
         return RolloutEngine(policy, tokenizer, stop_ids, pad_id, int4=int4, batch_size=batch_size,
                              record_routes=record_routes)
     if record_routes:
-        raise ValueError("routing replay needs rollout.backend=native: vLLM's routed-experts output is not wired in")
+        raise ValueError(f"routing replay needs rollout.backend=native: the {cfg.backend} servers do not report "
+                         "the experts each token was routed to")
+    if cfg.backend == "native_server":
+        from rl.served import ServedEngine
+
+        return ServedEngine(policy, tokenizer, stop_ids, pad_id, cfg.native_server, root, int4=int4, ranks=ranks)
     from rl.vllm_engine import VLLMEngine
 
     return VLLMEngine(policy, tokenizer, stop_ids, cfg.vllm, root, int4=int4)

@@ -175,10 +175,30 @@ def policy_for(model: torch.nn.Module, optim: OptimConfig, rng: torch.Generator 
                zero_stage: int = 0, rank_rng: torch.Generator | None = None,
                texts: Callable[[], dict[str, str]] = lambda: {}) -> "Policy":
     """The trained module with its optimizer: a torch AdamW in one process, a DeepSpeed engine at
-    `zero_stage` on ranks (rl.ranks.build_engine)."""
+    `zero_stage` on ranks (rl.ranks.build_engine; expert-parallel when `ranks.ep`, the model's
+    experts already sharded by training.expert_parallel.setup)."""
     if ranks.world == 1:
         return Policy(model, build_optimizer(model, optim), rng, texts)
-    return Policy(model, build_engine(model, optim, zero_stage), rng, texts, ranks=ranks, rank_rng=rank_rng)
+    ep = ranks.ep.size if ranks.ep is not None else 1
+    return Policy(model, build_engine(model, optim, zero_stage, ep), rng, texts, ranks=ranks, rank_rng=rank_rng)
+
+
+def whole_model(model: GLMModel, ranks: Ranks = SINGLE) -> GLMModel | None:
+    """The whole model for what needs every expert in one place (greedy gates, the export): the
+    model itself without expert parallelism; with it, the experts gathered (a collective over the
+    ranks) into a fresh model on rank 0, None on the others."""
+    if ranks.ep is None:
+        return model
+    from model.moe import gathered_state_dict
+
+    state = gathered_state_dict(model)
+    if ranks.rank != 0:
+        return None
+    whole = GLMModel(model.config)
+    whole.load_state_dict(state)
+    for p in whole.parameters():
+        p.requires_grad_(False)
+    return whole
 
 
 def save(root: Path, step: int, policy: Policy, meta: dict[str, Any], keep_last: int) -> None:
@@ -199,6 +219,8 @@ def _save_on_ranks(root: Path, step: int, policy: Policy, meta: dict[str, Any], 
         shutil.rmtree(root / tag, ignore_errors=True)     # the leftover of an interrupted save
     ranks.barrier()
     policy.optimizer.save_checkpoint(str(root), tag=tag, save_latest=False)
+    if ranks.ep is not None:
+        ranks.ep.save_shard(policy.optimizer, root / tag)     # rank 0's module file holds its own experts only
     if policy.rank_rng is not None:
         torch.save({"rng": policy.rank_rng.get_state()}, root / tag / RANK_RNG.format(ranks.rank))
     ranks.barrier()
@@ -206,15 +228,18 @@ def _save_on_ranks(root: Path, step: int, policy: Policy, meta: dict[str, Any], 
         torch.save({"rollout_rng": policy.rng.get_state()} if policy.rng is not None else {}, root / tag / STATE)
         for file, text in policy.texts().items():
             (root / tag / file).write_text(text)
-        checkpoint.finalize(root, tag, {"step": step, "world_size": ranks.world, **meta}, keep_last)
+        ep = ranks.ep.size if ranks.ep is not None else 1
+        checkpoint.finalize(root, tag, {"step": step, "world_size": ranks.world, "expert_parallel": ep, **meta},
+                            keep_last)
     ranks.barrier()
 
 
 def refuse_other_world(root: Path, world: int, stage: str, tag: str | None = None,
-                       meta: dict[str, Any] | None = None) -> None:
+                       meta: dict[str, Any] | None = None, expert_parallel: int | None = None) -> None:
     """A ValueError when the checkpoint to resume (`tag`, `meta`; by default the newest complete
     one, from its meta alone: the ranks verify its files) was written by another number of
-    trainer ranks. The stage's process asks before it starts any rank."""
+    trainer ranks (or another expert_parallel, when given). The stage's process asks before it
+    starts any rank."""
     if tag is None:
         done = [t for t in checkpoint.tags(root) if (root / t / checkpoint.MARKER).exists()]
         if not done:
@@ -225,6 +250,10 @@ def refuse_other_world(root: Path, world: int, stage: str, tag: str | None = Non
         raise ValueError(f"{stage}: checkpoint {tag} in {root} was written by {meta.get('world_size', 1)} "
                          f"trainer rank(s); resume it on as many (the stage's parallel.launch), or delete it to "
                          f"start over")
+    if expert_parallel is not None and meta.get("expert_parallel", 1) != expert_parallel:
+        raise ValueError(f"{stage}: checkpoint {tag} in {root} was written with expert_parallel "
+                         f"{meta.get('expert_parallel', 1)}; resume it with the same parallel.expert_parallel, or "
+                         f"delete it to start over")
 
 
 def load_latest(root: Path, policy: Policy, log_path: Path, stage: str) -> tuple[int, dict[str, Any], Path] | None:
@@ -238,10 +267,13 @@ def load_latest(root: Path, policy: Policy, log_path: Path, stage: str) -> tuple
             log_path.unlink(missing_ok=True)
         return None
     tag, meta = found
-    refuse_other_world(root, policy.ranks.world, stage, tag, meta)
+    refuse_other_world(root, policy.ranks.world, stage, tag, meta,
+                       policy.ranks.ep.size if policy.ranks.ep is not None else 1)
     if is_engine(policy.optimizer):
         policy.optimizer.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
                                          load_lr_scheduler_states=False)
+        if policy.ranks.ep is not None:
+            policy.ranks.ep.load_shard(policy.optimizer, root / tag)
         state = torch.load(root / tag / STATE, weights_only=True)
         if policy.rank_rng is not None:
             policy.rank_rng.set_state(

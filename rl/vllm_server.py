@@ -3,7 +3,7 @@
 The stage starts the server (`python -m vllm.entrypoints.openai.api_server` from the vLLM
 environment, `make vllm-setup`), waits for /health, restarts it when it dies, and stops it, with
 everything it spawned, on the way out: a stage that ends, fails or is stopped by SIGTERM. A
-`kill -9` of the stage cannot run that cleanup, so the server runs under rl/vllm_guard.py, which
+`kill -9` of the stage cannot run that cleanup, so the server runs under rl/server_guard.py, which
 takes its process group down once the stage's process is gone. With `urls` the servers are someone else's (a shared inference
 pool): the stage only talks to them; they must run with the same flags (`VLLMServer.command`: token-only
 generate endpoint, dev-mode RL endpoints, this module's worker extension) and read the path the
@@ -37,7 +37,7 @@ SERVED_NAME = "policy"
 # the worker extension (weight updates that vLLM's own reload gets wrong for MoE on CPU)
 EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_ext"
 EXTENSION_CLS = "glmforge_vllm_ext.WeightUpdate"
-GUARD = Path(__file__).resolve().parent / "vllm_guard.py"
+GUARD = Path(__file__).resolve().parent / "server_guard.py"
 CONTROL_TIMEOUT_S = 120.0       # pause / reload / resume / labels: seconds, not a generation's minutes
 
 

@@ -17,22 +17,33 @@ buckets. A version is complete when every rank's manifest is there.
 A rollout worker loads a version with `load_version`: it refuses a version that is not complete,
 checks each bucket's sha256 and the tensor names before reading it, joins expert shards, and
 checks the result covers the model's state exactly; only then does the engine take the weights
-(one load_state_dict), so it never samples from a half-loaded version. On a GPU cluster the same
+(one load_state_dict), so it never samples from a half-loaded version.
+
+Deltas. A rank that still holds what it published last (`base`) may publish only what changed:
+each tensor's bytes XOR its previous bytes (zero wherever a weight did not move, and mostly
+zero high bytes where it moved a little), zstd-compressed, in buckets of their own
+(`rank00001-0003.xor.zst`). The manifest names the base version; a reader applies the delta on
+the base it holds, or rebuilds the base from its chain (back to a full version). Every published
+piece (a tensor, or one rank's expert shard) carries a checksum of its bytes after the delta is
+applied: a reader that ends with other bytes refuses the version, and a server can prove what it
+holds (`checksums`, compared with `expected_checksums`) after a sync. On a GPU cluster the same
 protocol carries over with NCCL as the transport: the manifests stay, the buckets are broadcast
 from the trainer ranks into the engines' buffers (vLLM's and SGLang's update-weights-from-
 distributed endpoints) instead of written and read.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
+import zstandard
 from safetensors.torch import load_file, save_file
 
 from glmforge.store.manifest import sha256_file
@@ -60,9 +71,25 @@ class Shard:
 @dataclass(frozen=True)
 class Published:
     version: int
-    bytes: int
+    bytes: int              # written (compressed, for a delta)
     buckets: int
     seconds: float
+    full_bytes: int = 0     # the same tensors published whole
+    base: Optional[int] = None   # the version a delta applies to (None: published whole)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a flat uint8 view (any dtype, bf16 included)."""
+    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+
+
+def checksum(t: torch.Tensor) -> str:
+    return hashlib.blake2b(_raw(t).numpy().tobytes(), digest_size=16).hexdigest()
+
+
+def piece_id(name: str, shard: Optional[tuple[int, int]]) -> str:
+    """A published piece's name: the tensor's, or `name[k/R]` for shard k of R."""
+    return name if shard is None else f"{name}[{shard[0]}/{shard[1]}]"
 
 
 def version_dir(root: Path, version: int) -> Path:
@@ -83,12 +110,16 @@ def assign(sizes: Mapping[str, int], world: int) -> dict[str, int]:
 
 def publish(root: Path, version: int, tensors: Mapping[str, torch.Tensor], *, rank: int = 0, world: int = 1,
             config_json: str = "", shards: Mapping[str, Shard] | None = None,
-            bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Published:
+            bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+            base: Optional[tuple[int, Mapping[str, torch.Tensor]]] = None) -> Published:
     """Write this rank's part of `version`: `tensors` are what this rank publishes (a replicated
-    share from `assign`, plus its expert shards named in `shards`)."""
+    share from `assign`, plus its expert shards named in `shards`). base=(version, tensors): what
+    this rank published as that version, the same names and shapes: write a delta on it."""
     t0 = time.perf_counter()
     out = version_dir(root, version)
     out.mkdir(parents=True, exist_ok=True)
+    if base is not None:
+        _check_base(tensors, base[1], rank)
     buckets: list[dict] = []
     current: dict[str, torch.Tensor] = {}
     size = 0
@@ -97,12 +128,21 @@ def publish(root: Path, version: int, tensors: Mapping[str, torch.Tensor], *, ra
         nonlocal current, size
         if not current:
             return
-        path = out / f"rank{rank:05d}-{len(buckets):04d}.safetensors"
-        tmp = path.with_name(path.name + ".tmp")
-        save_file(current, str(tmp))
+        if base is None:
+            path = out / f"rank{rank:05d}-{len(buckets):04d}.safetensors"
+            tmp = path.with_name(path.name + ".tmp")
+            save_file(current, str(tmp))
+            entry: dict = {}
+        else:
+            path = out / f"rank{rank:05d}-{len(buckets):04d}.xor.zst"
+            tmp = path.with_name(path.name + ".tmp")
+            names = sorted(current)
+            xor = torch.cat([torch.bitwise_xor(_raw(current[n]), _raw(base[1][n])) for n in names])
+            tmp.write_bytes(zstandard.ZstdCompressor(level=3).compress(xor.numpy().tobytes()))
+            entry = {"lengths": [_raw(current[n]).numel() for n in names]}
         os.replace(tmp, path)
         buckets.append({"file": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path),
-                        "tensors": sorted(current)})
+                        "tensors": sorted(current), **entry})
         current, size = {}, 0
 
     for name in sorted(tensors):
@@ -113,13 +153,27 @@ def publish(root: Path, version: int, tensors: Mapping[str, torch.Tensor], *, ra
         current[name] = t
         size += n
     flush()
+    shard_of = {k: [s.index, s.count] for k, s in (shards or {}).items()}
     manifest = {"version": version, "rank": rank, "world": world, "config": config_json, "buckets": buckets,
-                "shards": {k: [s.index, s.count] for k, s in (shards or {}).items()}}
+                "shards": shard_of, "base": None if base is None else base[0],
+                "checksums": {piece_id(n, shard_of.get(n)): checksum(t) for n, t in tensors.items()}}
     path = out / f"rank{rank:05d}.json"
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, path)
-    return Published(version, sum(b["bytes"] for b in buckets), len(buckets), time.perf_counter() - t0)
+    full = sum(t.numel() * t.element_size() for t in tensors.values())
+    return Published(version, sum(b["bytes"] for b in buckets), len(buckets), time.perf_counter() - t0, full,
+                     None if base is None else base[0])
+
+
+def _check_base(tensors: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor], rank: int) -> None:
+    if set(tensors) != set(base):
+        raise ValueError(f"rank {rank}: a delta needs the tensors of its base; differ in "
+                         f"{sorted(set(tensors) ^ set(base))[:4]}")
+    for n, t in tensors.items():
+        if t.shape != base[n].shape or t.dtype != base[n].dtype:
+            raise ValueError(f"rank {rank}: {n} is {tuple(t.shape)} {t.dtype}, its base "
+                             f"{tuple(base[n].shape)} {base[n].dtype}")
 
 
 def complete(root: Path, version: int) -> bool:
@@ -131,29 +185,68 @@ def complete(root: Path, version: int) -> bool:
     return all((d / f"rank{r:05d}.json").is_file() for r in range(world))
 
 
-def load_version(root: Path, version: int) -> tuple[str, dict[str, torch.Tensor], int]:
-    """(model config JSON, the whole state dict, bytes read) of a complete version, every bucket
-    verified; IncompleteVersion / CorruptBucket otherwise (nothing is applied)."""
+def manifests(root: Path, version: int) -> list[dict]:
+    """Every rank's manifest of a complete version (IncompleteVersion otherwise)."""
     d = version_dir(root, version)
     if not complete(root, version):
         raise IncompleteVersion(f"policy version {version} is not complete in {d}: a rank's manifest is missing")
-    manifests = [json.loads(p.read_text()) for p in sorted(d.glob("rank*.json"))]
+    return [json.loads(p.read_text()) for p in sorted(d.glob("rank*.json"))]
+
+
+def base_of(root: Path, version: int) -> Optional[int]:
+    """The version a delta version applies to (None: published whole)."""
+    bases = {m.get("base") for m in manifests(root, version)}
+    if len(bases) != 1:
+        raise CorruptBucket(f"policy version {version}: its ranks name different bases {sorted(map(str, bases))}")
+    return bases.pop()
+
+
+def chain(root: Path, version: int) -> list[int]:
+    """The versions a reader needs to rebuild `version`: back to the full one, oldest first."""
+    out = [version]
+    while (b := base_of(root, out[-1])) is not None:
+        out.append(b)
+    return out[::-1]
+
+
+def load_version(root: Path, version: int, held: Optional[tuple[int, Mapping[str, torch.Tensor]]] = None
+                 ) -> tuple[str, dict[str, torch.Tensor], int]:
+    """(model config JSON, the whole state dict, bytes read) of a complete version, every bucket
+    verified; IncompleteVersion / CorruptBucket otherwise (nothing is applied). held=(version,
+    state): what the reader holds, on which a delta applies; without it, or when the delta names
+    another base, the base is rebuilt from its chain."""
+    d = version_dir(root, version)
+    found = manifests(root, version)
+    base_version = base_of(root, version)
+    base: Optional[Mapping[str, torch.Tensor]] = None
+    moved = 0
+    if base_version is not None:
+        if held is not None and held[0] == base_version:
+            base = held[1]
+        else:
+            _, base, moved = load_version(root, base_version, held)
     state: dict[str, torch.Tensor] = {}
     parts: dict[str, dict[int, torch.Tensor]] = {}
     counts: dict[str, int] = {}
-    moved = 0
-    for m in manifests:
+    for m in found:
         if m["version"] != version:
             raise CorruptBucket(f"{d}/rank{m['rank']:05d}.json says version {m['version']}, expected {version}")
         for b in m["buckets"]:
             path = d / b["file"]
             if not path.is_file() or sha256_file(path) != b["sha256"]:
                 raise CorruptBucket(f"{path}: missing, or its sha256 differs from rank {m['rank']}'s manifest")
-            tensors = load_file(str(path))
+            if "lengths" in b:
+                tensors = _undelta(path, b, base, m["shards"])
+            else:
+                tensors = load_file(str(path))
             if sorted(tensors) != b["tensors"]:
                 raise CorruptBucket(f"{path} holds {sorted(tensors)[:4]}..., its manifest lists {b['tensors'][:4]}...")
             moved += b["bytes"]
             for name, t in tensors.items():
+                want = m.get("checksums", {}).get(piece_id(name, m["shards"].get(name)))
+                if want is not None and checksum(t) != want:
+                    raise CorruptBucket(f"{path}: {name} does not match its checksum in rank {m['rank']}'s manifest "
+                                        f"(a delta applied to another base?)")
                 if name in m["shards"]:
                     index, count = m["shards"][name]
                     parts.setdefault(name, {})[index] = t
@@ -166,7 +259,58 @@ def load_version(root: Path, version: int) -> tuple[str, dict[str, torch.Tensor]
         if sorted(got) != list(range(counts[name])):
             raise IncompleteVersion(f"{name}: expert shards {sorted(got)} of {counts[name]} published")
         state[name] = torch.cat([got[i] for i in range(counts[name])])
-    return manifests[0]["config"], state, moved
+    return found[0]["config"], state, moved
+
+
+def _piece(state: Mapping[str, torch.Tensor], name: str, shard: Optional[list[int]]) -> torch.Tensor:
+    t = state[name]
+    return t if shard is None else t.chunk(shard[1])[shard[0]]
+
+
+def _undelta(path: Path, bucket: dict, base: Optional[Mapping[str, torch.Tensor]],
+             shards: Mapping[str, list[int]]) -> dict[str, torch.Tensor]:
+    if base is None:
+        raise CorruptBucket(f"{path} is a delta but its version names no base")
+    raw = torch.frombuffer(bytearray(zstandard.ZstdDecompressor().decompress(path.read_bytes())), dtype=torch.uint8)
+    if raw.numel() != sum(bucket["lengths"]):
+        raise CorruptBucket(f"{path}: {raw.numel()} bytes after decompression, its manifest says "
+                            f"{sum(bucket['lengths'])}")
+    out, at = {}, 0
+    for name, n in zip(bucket["tensors"], bucket["lengths"]):
+        if name not in base:
+            raise CorruptBucket(f"{path}: {name} has no base tensor to apply its delta to")
+        old = _piece(base, name, shards.get(name)).contiguous()
+        if _raw(old).numel() != n:
+            raise CorruptBucket(f"{path}: {name}'s delta is {n} bytes, its base {_raw(old).numel()}")
+        new = torch.bitwise_xor(raw[at:at + n], _raw(old))
+        out[name] = new.view(old.dtype).reshape(old.shape).clone()
+        at += n
+    return out
+
+
+def expected_checksums(root: Path, version: int) -> dict[str, str]:
+    """Every published piece of a version and its checksum, from the ranks' manifests."""
+    return {k: v for m in manifests(root, version) for k, v in m.get("checksums", {}).items()}
+
+
+def checksums(state: Mapping[str, torch.Tensor], root: Path, version: int) -> dict[str, str]:
+    """The checksums of what `state` holds, cut into the pieces `version` was published in: a
+    reader's proof that it holds that version (compare with `expected_checksums`)."""
+    out = {}
+    for m in manifests(root, version):
+        for b in m["buckets"]:
+            for name in b["tensors"]:
+                shard = m["shards"].get(name)
+                out[piece_id(name, shard)] = checksum(_piece(state, name, shard)) if name in state else "missing"
+    return out
+
+
+def first_difference(expected: Mapping[str, str], held: Mapping[str, str]) -> Optional[str]:
+    """The first piece (sorted) whose checksum differs, or that one side lacks; None when equal."""
+    for k in sorted(set(expected) | set(held)):
+        if expected.get(k) != held.get(k):
+            return k
+    return None
 
 
 def apply(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
@@ -180,12 +324,14 @@ def apply(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
 
 
 def prune(root: Path, keep: int = KEEP_VERSIONS) -> None:
-    """Delete all but the newest `keep` complete versions (and older incomplete ones)."""
+    """Delete all but the newest `keep` complete versions, and the versions their deltas build
+    on, back to a full one (and older incomplete ones)."""
     dirs = sorted(p for p in Path(root).glob("v*") if p.is_dir())
     done = [p for p in dirs if complete(root, int(p.name[1:]))]
     newest = done[-keep:]
+    needed = {version_dir(root, v).name for p in newest for v in chain(root, int(p.name[1:]))}
     for p in dirs:
-        if p not in newest and (not newest or p.name < newest[0].name):
+        if p.name not in needed and (not newest or p.name < newest[-1].name):
             shutil.rmtree(p, ignore_errors=True)
 
 

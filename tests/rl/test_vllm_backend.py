@@ -133,7 +133,7 @@ def test_guard_takes_the_server_group_down_when_the_stage_is_killed(tmp_path):
 
 
 def vllm_server_grace() -> float:
-    import rl.vllm_guard as guard
+    import rl.server_guard as guard
     return guard.GRACE_S
 
 

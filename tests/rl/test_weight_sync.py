@@ -92,3 +92,82 @@ def test_prune_keeps_the_newest_complete_versions_and_one_in_progress(tmp_path):
     weight_sync.publish(tmp_path, 4, {"x": torch.zeros(1)}, rank=0, world=2)      # rank 1 still writing
     weight_sync.prune(tmp_path)
     assert sorted(p.name for p in tmp_path.glob("v*")) == ["v00000002", "v00000003", "v00000004"]
+
+
+def _nudge(model, scale: float = 1e-3, every: int = 2) -> None:
+    """An optimizer-step-like change: every `every`-th tensor moves a little, the rest stay."""
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            if i % every == 0:
+                p.add_(scale * torch.randn_like(p))
+
+
+def test_a_delta_version_loads_to_the_same_bytes_as_a_full_one_on_ranks_with_expert_shards(tmp_path):
+    torch.manual_seed(0)
+    model = small_model(VOCAB)
+    expert = {k for k in model.state_dict() if ".experts." in k}
+    assert expert
+
+    def parts(m):
+        state = m.state_dict()
+        out = []
+        for r in range(2):
+            part = {k: v.clone() for k, v in weight_sync.rank_part(m, r, 2, {k: Shard(r, 2) for k in expert}).items()}
+            part.update({k: state[k].chunk(2)[r].clone() for k in expert})       # rank r holds shard r
+            out.append(part)
+        return out
+
+    def publish(version, m, base=None):
+        sent = []
+        for r, part in enumerate(parts(m)):
+            sent.append(weight_sync.publish(tmp_path, version, part, rank=r, world=2, bucket_bytes=16 << 10,
+                                            shards={k: Shard(r, 2) for k in expert},
+                                            base=None if base is None else (version - 1, base[r])))
+        return sent
+
+    full = publish(1, model)
+    v1 = parts(model)
+    _nudge(model)
+    delta = publish(2, model, base=v1)
+    assert all(s.base == 1 for s in delta) and all(s.base is None for s in full)
+    assert sum(s.bytes for s in delta) < 0.8 * sum(s.full_bytes for s in delta)   # half the tensors did not move
+    assert sum(s.full_bytes for s in delta) == sum(s.full_bytes for s in full)
+    want = model.state_dict()
+    _, held, _ = weight_sync.load_version(tmp_path, 1)
+    _, applied, moved = weight_sync.load_version(tmp_path, 2, held=(1, held))       # on the version held
+    _, rebuilt, moved_chain = weight_sync.load_version(tmp_path, 2)                 # from its chain
+    assert moved == sum(s.bytes for s in delta) and moved_chain > moved
+    for k, v in want.items():
+        assert torch.equal(applied[k], v) and torch.equal(rebuilt[k], v), k
+    assert weight_sync.chain(tmp_path, 2) == [1, 2]
+    assert weight_sync.first_difference(weight_sync.expected_checksums(tmp_path, 2),
+                                        weight_sync.checksums(applied, tmp_path, 2)) is None
+    # a reader holding another version than the delta's base ends with other bytes: refused by checksum
+    _nudge(model, every=1)
+    with pytest.raises(CorruptBucket, match="does not match its checksum"):
+        weight_sync.load_version(tmp_path, 2, held=(1, model.state_dict()))
+
+
+def test_checksums_name_the_stale_piece(tmp_path):
+    model = small_model(VOCAB)
+    _publish_on(1, tmp_path, 1, model, 1 << 30)
+    held = {k: v.clone() for k, v in model.state_dict().items()}
+    name = sorted(held)[3]
+    held[name][..., 0] += 1
+    assert weight_sync.first_difference(weight_sync.expected_checksums(tmp_path, 1),
+                                        weight_sync.checksums(held, tmp_path, 1)) == name
+
+
+def test_prune_keeps_the_chain_a_delta_needs(tmp_path):
+    model = small_model(VOCAB)
+    _publish_on(1, tmp_path, 1, model, 1 << 30)
+    for v in (2, 3, 4):
+        base = {k: t.clone() for k, t in model.state_dict().items()}
+        _nudge(model)
+        weight_sync.publish(tmp_path, v, model.state_dict(), base=(v - 1, base))
+    weight_sync.prune(tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("v*")) == ["v00000001", "v00000002", "v00000003", "v00000004"]
+    _, state, _ = weight_sync.load_version(tmp_path, 4)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match="differ in"):
+        weight_sync.publish(tmp_path, 5, {"x": torch.zeros(1)}, base=(4, {"y": torch.zeros(1)}))

@@ -1,5 +1,5 @@
 """Runs a server command and takes it down when the stage that started it dies, `kill -9` included:
-`python rl/vllm_guard.py PARENT_PID -- COMMAND...` (standard library only; rl.vllm_server).
+`python rl/server_guard.py PARENT_PID -- COMMAND...` (standard library only; the vLLM and native inference servers).
 
 The guard leads the server's process group. Every half second it checks that PARENT_PID is still
 its parent; once it is not, it sends SIGTERM to the whole group (the server, its engine core
@@ -34,7 +34,7 @@ def _take_down() -> None:
 def main(argv: list[str]) -> int:
     parent, sep, cmd = int(argv[0]), argv[1], argv[2:]
     if sep != "--" or not cmd:
-        raise SystemExit("usage: vllm_guard.py PARENT_PID -- COMMAND...")
+        raise SystemExit("usage: server_guard.py PARENT_PID -- COMMAND...")
     signal.signal(signal.SIGTERM, signal.SIG_IGN)    # the stage stops the whole group; we stay to finish it
     child = subprocess.Popen(cmd, preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
     while True:

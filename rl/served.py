@@ -1,0 +1,414 @@
+"""Rollouts from inference servers while the trainer's ranks only train (`rollout.backend:
+native_server`): rl.rollout.RolloutEngine's interface (sync / generate / complete) over a pool of
+server processes (rl.native_server), as slime runs GLM-5's RL with SGLang engines beside its
+Megatron ranks.
+
+    trainer ranks   log-prob recompute, loss, optimizer step (rl.update, rl.ranks); expert-
+                    parallel when `parallel.expert_parallel` > 1. Never generate.
+    servers         `replicas` processes started by rank 0 (or `urls`), each holding a whole
+                    copy of the weights at one version; every rank sends its groups to them.
+
+Weight sync (`sync(policy, version)`, a collective over the trainer's ranks): every rank
+publishes only its own part (rl.weight_sync.rank_part: its share of the replicated tensors, its
+expert shards) in buckets, whole or as a delta on what it published last (`delta`, a whole
+version every `full_every` syncs); then rank 0 has every server load the version (a delta applies
+on the version the server holds) and compares each server's checksums of what it now holds with
+the ranks' manifests: a server holding anything else stops the stage, naming the server and the
+tensor. Bytes written (and what the same versions would have cost whole) and seconds go into
+`metrics()`.
+
+Requests: a prompt group is one request (`n` samples, one seed drawn in order from the rank's
+sampling generator), routed to a server by a consistent hash of its group, so a resumed stage
+sends the same requests and the native servers answer them with the same tokens.
+
+Failures: rank 0 watches its servers; one that dies is started again on its port, loads the
+current version (its chain of deltas back to a whole version) and is checked, up to `restarts`
+times. A request that meets a dead server waits for it to come back at the current version and
+is sent again. The servers run under rl/server_guard.py, so none outlives the stage (kill -9
+included), and with an environment built here: no credentials reach them.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+from concurrent.futures import ThreadPoolExecutor
+from http.client import HTTPException
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from glmforge.shutdown import stop_process_group
+from model.model import GLMModel
+from model.moe import MoE
+from quant.qat import QATConfig
+from rl import weight_sync
+from rl.orchestrator import HashRing
+from rl.ranks import SINGLE, Ranks
+from rl.sample import Sample, Status
+from rl.vllm_server import GUARD, EngineFailed, http
+from training.launch import free_port
+
+if TYPE_CHECKING:
+    from rl.rollout import SamplingParams
+
+log = logging.getLogger("glmforge")
+REPO = Path(__file__).resolve().parents[1]
+_NETWORK_ERRORS = (OSError, HTTPException)
+
+
+class NativeServerConfig(BaseModel):
+    """`rollout.native_server`: the server pool a stage rolls out on when its trainer only trains."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    replicas: int = Field(2, ge=1, description="server processes the stage starts (rank 0 owns them)")
+    urls: list[str] = Field([], description="servers someone else runs (then none is started); they must read "
+                            "the published weights' folder")
+    threads: int = Field(1, ge=1, description="torch threads per server")
+    batch_size: int = Field(64, ge=1, description="sequences a server decodes at once")
+    delta: bool = Field(True, description="publish what changed since the last version (XOR + zstd) instead of "
+                        "every byte")
+    full_every: int = Field(10, ge=1, description="a whole version every N syncs (the chain a restarted "
+                            "server replays stays short)")
+    bucket_bytes: int = Field(weight_sync.DEFAULT_BUCKET_BYTES, ge=1 << 10)
+    restarts: int = Field(2, ge=0, description="times a dead server is started again before the stage fails")
+    startup_timeout_s: float = Field(120.0, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0)
+
+
+def expert_shards(model: torch.nn.Module) -> dict[str, weight_sync.Shard]:
+    """The state-dict names of this rank's expert shards (expert parallelism: model.moe.shard_experts)."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, MoE) and getattr(m, "ep_group", None) is not None:
+            for pname, _ in m.experts.named_parameters():
+                out[f"{name}.experts.{pname}" if name else f"experts.{pname}"] = weight_sync.Shard(m.ep_rank, m.ep_size)
+    return out
+
+
+def _server_env() -> dict[str, str]:
+    keep = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "USER", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+    env = {k: os.environ[k] for k in keep if k in os.environ}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="0")
+    return env
+
+
+class Server:
+    """One native server: a process of ours on a fixed port (restarted there), or a URL."""
+
+    def __init__(self, index: int, root: Path, settings: dict[str, Any], url: str | None = None):
+        self.index, self.root, self.settings = index, Path(root), settings
+        self.owned = url is None
+        self.port = free_port() if self.owned else None
+        self.url = url.rstrip("/") if url else f"http://127.0.0.1:{self.port}"
+        self.log_path = self.root / f"server-{index}.log"
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def launch(self) -> None:
+        if not self.owned:
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        cfg = self.root / f"server-{self.index}.json"
+        cfg.write_text(json.dumps({**self.settings, "port": self.port}))
+        self.starts += 1
+        with open(self.log_path, "ab") as out:
+            out.write(f"\n=== start {self.starts} on port {self.port}\n".encode())
+            out.flush()
+            cmd = [sys.executable, str(GUARD), str(os.getpid()), "--", sys.executable, "-m", "rl.native_server", str(cfg)]
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=_server_env(), cwd=str(REPO), start_new_session=True)
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise EngineFailed(f"native server {self.index} exited with {self.proc.returncode} while starting; "
+                                   f"last lines of {self.log_path}:\n{self.tail()}")
+            if self.health() is not None:
+                return
+            time.sleep(0.2)
+        raise EngineFailed(f"native server {self.index} at {self.url} not healthy after {timeout:.0f} s; "
+                           f"see {self.log_path}")
+
+    def health(self) -> Optional[dict]:
+        try:
+            return http(self.url + "/health", timeout=5)
+        except (urllib.error.URLError, *_NETWORK_ERRORS, ValueError):
+            return None
+
+    def dead(self) -> bool:
+        return self.owned and (self.proc is None or self.proc.poll() is not None)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process_group(self.proc, timeout=10.0)
+            self.proc = None
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def call(self, path: str, body: dict, timeout: float) -> Any:
+        try:
+            return http(self.url + path, "POST", body, timeout)
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:2000]
+            raise EngineFailed(f"native server {self.index} ({self.url}) {path}: HTTP {e.code}: {detail}") from e
+
+
+class ServedEngine:
+    def __init__(self, policy: GLMModel, tokenizer, stop_ids: list[int], pad_id: int, cfg: NativeServerConfig,
+                 root: Path, *, int4: QATConfig | None = None, ranks: Ranks = SINGLE):
+        self.tokenizer, self.stop_ids, self.cfg, self.ranks = tokenizer, list(stop_ids), cfg, ranks
+        self.root, self.weights = Path(root), Path(root) / "weights"
+        self.config_json = policy.config.model_dump_json()
+        self.version: int | None = None
+        self.restarts = 0
+        self._syncs = 0
+        self._base: Optional[tuple[int, dict[str, torch.Tensor]]] = None
+        self._sent = {"bytes": 0.0, "full_bytes": 0.0, "seconds": 0.0, "delta": 0.0}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._watchdog: threading.Thread | None = None
+        lead = ranks.rank == 0
+        settings = {"threads": cfg.threads, "batch_size": cfg.batch_size, "pad_id": pad_id,
+                    "int4": int4.model_dump() if int4 is not None else None}
+        urls = cfg.urls or [None] * cfg.replicas
+        servers = [Server(i, self.root, settings, url if url or lead else "http://unset") for i, url in enumerate(urls)]
+        error = None
+        if lead:
+            try:
+                for s in servers:
+                    s.launch()
+                for s in servers:
+                    s.wait_healthy(cfg.startup_timeout_s)
+            except BaseException as e:
+                for s in servers:
+                    s.stop()
+                error = str(e)
+        urls_on_lead = ranks.broadcast([s.url for s in servers] if lead else None)
+        error = ranks.broadcast(error)
+        if error:
+            raise EngineFailed(error)
+        if not lead:
+            for s, url in zip(servers, urls_on_lead):
+                s.url, s.owned = url, False
+        self.servers = servers
+        self.ring = HashRing()
+        for i in range(len(servers)):
+            self.ring.add(str(i))
+        if lead and any(s.owned for s in servers):
+            self._watchdog = threading.Thread(target=self._watch, daemon=True, name="native-server-watchdog")
+            self._watchdog.start()
+
+    # ------------------------------------------------------------ life
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            for s in self.servers:
+                if s.owned:
+                    s.stop()
+
+    def __enter__(self) -> "ServedEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def metrics(self) -> dict[str, float]:
+        return {"sync/bytes": self._sent["bytes"], "sync/full_bytes": self._sent["full_bytes"],
+                "sync/seconds": self._sent["seconds"], "sync/delta": self._sent["delta"],
+                "servers/restarts": float(self.restarts)}
+
+    def _watch(self) -> None:
+        """Rank 0: a server process that died is started again at the current version."""
+        while not self._closed.wait(0.5):
+            for s in self.servers:
+                if s.owned and s.dead() and not self._closed.is_set():
+                    try:
+                        self._restart(s)
+                    except EngineFailed as e:
+                        log.error("%s", e)
+                        return
+
+    def _restart(self, server: Server) -> None:
+        with self._lock:
+            self._revive(server)
+
+    def _revive(self, server: Server) -> None:
+        """A dead server of ours started again at the current version (the lock held)."""
+        if self._closed.is_set() or not server.dead():
+            return
+        if self.restarts >= self.cfg.restarts:
+            raise EngineFailed(f"native server {server.index} died again after {self.restarts} restarts; "
+                               f"last lines of {server.log_path}:\n{server.tail()}")
+        self.restarts += 1
+        log.warning("native server %d died: starting it again at version %s", server.index, self.version)
+        server.stop()
+        server.launch()
+        server.wait_healthy(self.cfg.startup_timeout_s)
+        if self.version is not None:
+            self._load(server, self.version)
+
+    def _take(self, server: Server, version: int) -> None:
+        """`version` onto one server (the lock held); one that died on the way is revived first."""
+        for attempt in range(2):
+            self._revive(server)
+            try:
+                return self._load(server, version)
+            except _NETWORK_ERRORS:
+                # the server process is gone; its guard notices within half a second
+                deadline = time.monotonic() + 5.0
+                while server.owned and not server.dead() and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                if attempt or not server.dead():
+                    raise
+
+    # ------------------------------------------------------------ weights
+    def sync(self, policy: torch.nn.Module, version: int) -> None:
+        """Publish `policy` as `version` from every trainer rank and have every server take it; a
+        collective: every rank calls it."""
+        ranks, lead = self.ranks, self.ranks.rank == 0
+        t0 = time.perf_counter()
+        shards = expert_shards(policy)
+        edp_rank = ranks.ep.edp_rank if ranks.ep is not None else 0
+        part = {k: v.detach().to("cpu").clone()
+                for k, v in weight_sync.rank_part(policy, ranks.rank, ranks.world, shards, edp_rank).items()}
+        whole = not self.cfg.delta or self._base is None or self._syncs % self.cfg.full_every == 0
+        if lead:       # what a killed attempt left of this version is not part of it
+            shutil.rmtree(weight_sync.version_dir(self.weights, version), ignore_errors=True)
+        ranks.barrier()
+        sent = weight_sync.publish(self.weights, version, part, rank=ranks.rank, world=ranks.world,
+                                   config_json=self.config_json, shards=shards, bucket_bytes=self.cfg.bucket_bytes,
+                                   base=None if whole else self._base)
+        self._base, self._syncs = (version, part), self._syncs + 1
+        ranks.barrier()
+        error = None
+        if lead:
+            try:
+                with self._lock:
+                    with ThreadPoolExecutor(len(self.servers)) as pool:
+                        list(pool.map(lambda s: self._take(s, version), self.servers))
+                    weight_sync.prune(self.weights, keep=1)
+            except (EngineFailed, *_NETWORK_ERRORS) as e:
+                error = f"weight sync of version {version}: {e}"
+        error = ranks.broadcast(error)
+        if error:
+            raise EngineFailed(error)
+        self.version = version
+        moved = ranks.sum([float(sent.bytes), float(sent.full_bytes)])
+        self._sent = {"bytes": moved[0], "full_bytes": moved[1], "seconds": time.perf_counter() - t0,
+                      "delta": 0.0 if whole else 1.0}
+
+    def _load(self, server: Server, version: int) -> None:
+        """The server takes `version`, then proves it holds exactly that."""
+        out = server.call("/weights/load", {"root": str(self.weights.resolve()), "version": version},
+                          self.cfg.request_timeout_s)
+        self.verify(server, version, reported=out.get("version"))
+
+    def verify(self, server: Server, version: int, reported: Any = "ask") -> None:
+        held = server.call("/weights/checksums", {"root": str(self.weights.resolve()), "version": version},
+                           self.cfg.request_timeout_s)
+        if reported == "ask":
+            reported = held["version"]
+        if reported != version or held["version"] != version:
+            raise EngineFailed(f"native server {server.index} ({server.url}) reports version {held['version']}, "
+                               f"expected {version}")
+        differs = weight_sync.first_difference(weight_sync.expected_checksums(self.weights, version),
+                                               held["checksums"])
+        if differs is not None:
+            raise EngineFailed(f"native server {server.index} ({server.url}) holds {differs} other than version "
+                               f"{version} publishes it")
+
+    # ------------------------------------------------------------ sampling
+    def generate(self, samples: list[Sample], params: SamplingParams, generator: torch.Generator,
+                 seeds: dict[Any, int] | None = None) -> None:
+        """Fill response_ids, rollout_logprobs, versions, loss_mask, status and text in place: one
+        request per prompt group, seeded from `generator` in order, or by `seeds` (group -> seed:
+        the same requests whichever rank sends them)."""
+        groups: dict[Any, list[Sample]] = {}
+        for s in samples:
+            groups.setdefault(s.group, []).append(s)
+        members = list(groups.values())
+        seeds = [seeds[g] for g in groups] if seeds is not None else self._seeds(len(members), params, generator)
+        outs = self._run([(g[0].prompt_ids, len(g), f"group/{key}", seed)
+                          for (key, g), seed in zip(groups.items(), seeds)], params)
+        for group, choices in zip(members, outs):
+            for s, (toks, lps, stopped, versions) in zip(group, choices):
+                s.status = Status.OK if stopped else Status.TRUNCATED
+                s.response_ids, s.rollout_logprobs, s.versions = toks, lps, versions
+                s.loss_mask = [1] * len(toks)
+                s.text = self.tokenizer.decode(toks, skip_special_tokens=True)
+
+    def complete(self, prefixes: list[list[int]], params: SamplingParams, generator: torch.Generator,
+                 keys: list[str] | None = None) -> list[tuple[list[int], list[float], bool, list[int]]]:
+        """Continue each token prefix: (new ids up to and including the first stop token, their
+        log-probs, whether a stop token ended it, the version of each). keys: affinity keys."""
+        keys = keys or [f"seq/{i}" for i in range(len(prefixes))]
+        seeds = self._seeds(len(prefixes), params, generator)
+        return [c[0] for c in self._run([(p, 1, k, s) for p, k, s in zip(prefixes, keys, seeds)], params)]
+
+    @staticmethod
+    def _seeds(n: int, params: SamplingParams, generator: torch.Generator) -> list[int]:
+        # one seed per request, drawn in order: the same requests after a resume
+        if params.temperature == 0:
+            return [0] * n
+        return torch.randint(0, 2**31 - 1, (n,), generator=generator).tolist()
+
+    def _run(self, jobs: list[tuple[list[int], int, str, int]], params: SamplingParams
+             ) -> list[list[tuple[list[int], list[float], bool, list[int]]]]:
+        if not jobs:
+            return []
+        with ThreadPoolExecutor(min(64, len(jobs))) as pool:
+            return list(pool.map(lambda j: self._one(*j, params), jobs))
+
+    def _one(self, prompt: list[int], n: int, key: str, seed: int, params: SamplingParams
+             ) -> list[tuple[list[int], list[float], bool, list[int]]]:
+        sp = {"n": n, "seed": seed, "max_tokens": params.max_new_tokens, "temperature": params.temperature,
+              "top_p": params.top_p, "stop_token_ids": self.stop_ids}
+        server = self.servers[int(self.ring.owner(key))]
+        out = self._send(server, {"token_ids": prompt, "sampling_params": sp})
+        result = []
+        for choice in out["choices"]:
+            toks = list(choice["token_ids"])
+            lps = [c["logprob"] for c in choice["logprobs"]["content"]]
+            versions = [0] * len(toks)
+            for span in choice["weight_versions"]:
+                versions[span["start"]:span["end"]] = [int(span["version"])] * (span["end"] - span["start"])
+            result.append((toks, lps, choice["finish_reason"] == "stop", versions))
+        return result
+
+    def _send(self, server: Server, body: dict) -> dict:
+        """A generate request; a server that is down is waited for (rank 0 restarts it) until it
+        serves the current version again."""
+        deadline = time.monotonic() + self.cfg.startup_timeout_s + self.cfg.request_timeout_s
+        while True:
+            try:
+                return http(server.url + "/inference/v1/generate", "POST", body, self.cfg.request_timeout_s)
+            except urllib.error.HTTPError as e:
+                detail = e.read().decode(errors="replace")[:2000]
+                if e.code != 500 or "no weights loaded" not in detail:
+                    raise EngineFailed(f"native server {server.index} ({server.url}): HTTP {e.code}: {detail}") from e
+                reason = detail
+            except _NETWORK_ERRORS as e:
+                reason = repr(e)
+            if time.monotonic() > deadline or (self._watchdog is not None and not self._watchdog.is_alive()):
+                raise EngineFailed(f"native server {server.index} ({server.url}) is not serving ({reason}); "
+                                   f"last lines of {server.log_path}:\n{server.tail()}")
+            while time.monotonic() < deadline:
+                h = server.health()
+                if h is not None and (self.version is None or h.get("version") == self.version):
+                    break
+                time.sleep(0.2)

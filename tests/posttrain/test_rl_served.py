@@ -1,0 +1,140 @@
+"""rl-reasoning with trainer ranks that only train: 2 gloo ranks with the experts sharded over them
+(expert_parallel 2), rollouts and evaluations from 2 native server replicas (rl.served). The
+same stage on one process with the same servers is the reference: the update on ranks equals the
+one-rank update (tests/rl/test_ranks.py), and each group's request is seeded alike, so the two
+runs agree. kill -9 of a rank, then resume: bit for bit the uninterrupted run; kill -9 of a server
+replica: replaced, the stage finishes; SIGTERM: a checkpoint, Preempted, no rank or server left."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from glmforge import shutdown
+from glmforge.stage import Workdir
+from posttrain.rl_reasoning import run_rl_reasoning
+from tests.posttrain.test_rl_reasoning import _cfg, inputs  # noqa: F401 (fixture)
+from training import checkpoint
+from training.launch import TrainingFailed
+
+pytestmark = pytest.mark.slow
+PLACED = {"launch": {"nproc_per_node": 2}, "expert_parallel": 2}
+SERVED = {"backend": "native_server", "native_server": {"replicas": 2, "full_every": 2}}
+
+
+def _cfg_served(parallel=PLACED, **kw):
+    return _cfg(parallel=parallel, rollout=SERVED, prompts_per_step=3, optim={"lr": 1e-2, "weight_decay": 0.5}, **kw)
+
+
+def _weights(root):
+    return load_file(root / "out" / "consolidated.safetensors")
+
+
+def _records(root):
+    return [{k: v for k, v in json.loads(x).items() if not k.startswith(("time/", "sync/seconds"))}
+            for x in (root / "out" / "metrics.jsonl").read_text().splitlines()]
+
+
+def _descendants(word: bytes) -> list[int]:
+    found = []
+    for pid in shutdown.descendants(os.getpid()):
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if word in argv and b"training.spawn" not in argv and not any(a.endswith(b"server_guard.py") for a in argv):
+            found.append(pid)
+    return sorted(found)
+
+
+@pytest.fixture(scope="module")
+def placed(inputs, tmp_path_factory):  # noqa: F811
+    root = tmp_path_factory.mktemp("placed")
+    return root, run_rl_reasoning(_cfg_served(), inputs, Workdir.at(root, seed=3))
+
+
+def test_ranks_that_only_train_match_one_process_on_the_same_servers(inputs, placed, tmp_path):  # noqa: F811
+    root, m = placed
+    assert m["placement"] == {"trainer_ranks": 2, "expert_parallel": 2, "rollout": "native_server", "servers": 2}
+    assert m["steps"] == 3 and m["heldout_accuracy"]["n"] == 8
+    ws = m["weight_sync"]
+    assert ws["versions"] == 3 and ws["deltas"] >= 1 and ws["bytes_per_delta"] < ws["full_bytes"]
+    recs = _records(root)
+    assert all(r["trainer_ranks"] == 2 and r["sync/bytes"] > 0 for r in recs)
+    sft, out = load_file(inputs["sft"] / "consolidated.safetensors"), _weights(root)
+    assert out.keys() == sft.keys()                 # the export is the whole model: every expert gathered
+    assert any(not torch.equal(sft[k], out[k]) for k in sft if ".experts." in k)
+    one = run_rl_reasoning(_cfg_served(parallel={}), inputs, Workdir.at(tmp_path, seed=3))
+    assert one["placement"]["trainer_ranks"] == 1
+    a, b = _records(root), _records(tmp_path)
+    for key in ("reward", "response_length"):      # the same tokens sampled
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    # DeepSpeed's AdamW (no decay on norm gains and biases) and expert reductions vs torch's, in fp32.
+    # The weights themselves are not compared: a random model earns no reward, so its gradient is
+    # rounding noise that Adam turns into steps of up to lr (tests/rl/test_ranks.py compares updates)
+    for key in ("entropy", "loss"):
+        assert [r[key] for r in a] == pytest.approx([r[key] for r in b], rel=1e-3, abs=1e-4), key
+
+
+def test_kill_9_of_a_trainer_rank_then_resume_is_bit_identical(inputs, placed, tmp_path):  # noqa: F811
+    def kill_rank_1_after_step_2(done, total, desc):
+        if done == 2:
+            pids = _descendants(b"rl.launch")
+            assert len(pids) == 2, pids
+            os.kill(pids[1], signal.SIGKILL)
+
+    with pytest.raises(TrainingFailed, match="failed"):
+        run_rl_reasoning(_cfg_served(), inputs, Workdir.at(tmp_path, seed=3, progress=kill_rank_1_after_step_2))
+    assert checkpoint.select_resume(tmp_path / "checkpoint" / "ckpt")[1]["step"] in (1, 2)
+    assert not _descendants(b"rl.launch") and not _descendants(b"rl.native_server")
+    run_rl_reasoning(_cfg_served(), inputs, Workdir.at(tmp_path, seed=3))
+    a, b = _weights(placed[0]), _weights(tmp_path)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _records(placed[0]) == _records(tmp_path)
+
+
+def test_a_killed_server_replica_is_replaced_and_the_stage_finishes(inputs, placed, tmp_path):  # noqa: F811
+    def kill_a_server_after_step_1(done, total, desc):
+        if done == 1:
+            pids = _descendants(b"rl.native_server")
+            assert len(pids) == 2, pids
+            os.kill(pids[0], signal.SIGKILL)
+
+    m = run_rl_reasoning(_cfg_served(), inputs, Workdir.at(tmp_path, seed=3, progress=kill_a_server_after_step_1))
+    assert m["weight_sync"]["server_restarts"] >= 1
+    # the replacement took the current version: the run is the uninterrupted one
+    a, b = _weights(placed[0]), _weights(tmp_path)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigterm_checkpoints_and_leaves_no_rank_or_server(inputs, tmp_path):  # noqa: F811
+    def sigterm_at_1(done, total, desc):
+        if done == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    shutdown.reset()
+    try:
+        with pytest.raises(shutdown.Preempted, match=r"checkpoint at step [12] of 3"):
+            run_rl_reasoning(_cfg_served(), inputs, Workdir.at(tmp_path, seed=3, progress=sigterm_at_1))
+    finally:
+        shutdown.reset()
+    assert not _descendants(b"rl.launch") and not _descendants(b"rl.native_server")
+
+
+def test_a_placement_that_cannot_run_is_refused_before_anything_starts(inputs, tmp_path):  # noqa: F811
+    with pytest.raises(ValueError, match="expert_parallel=2 needs rollout.backend=native_server"):
+        _cfg(parallel=PLACED)
+    with pytest.raises(ValueError, match=r"expert_parallel=4 must divide the trainer's rank count"):
+        _cfg(parallel={"launch": {"nproc_per_node": 2}, "expert_parallel": 4}, rollout=SERVED)
+    from posttrain.rl_general import RLGeneralConfig
+
+    with pytest.raises(ValueError, match="rl-general: rollout.backend=native_server is not supported yet"):
+        RLGeneralConfig(rollout=SERVED)
+    # a server URL that does not answer: one line naming it, no rank started
+    bad = {"backend": "native_server", "native_server": {"urls": ["http://127.0.0.1:9"], "startup_timeout_s": 2}}
+    with pytest.raises(Exception, match=r"native server 0 at http://127.0.0.1:9 not healthy"):
+        run_rl_reasoning(_cfg(rollout=bad), inputs, Workdir.at(tmp_path, seed=3))
