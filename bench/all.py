@@ -188,6 +188,14 @@ def rl_ranks(out: str) -> tuple[str, str]:
             ", ".join(f"{k} {v}" for k, v in r["settings"].items()))
 
 
+def weight_sync_delta(out: str) -> tuple[str, str]:
+    r = last_json(out)
+    rows = "; ".join(f"{w['preset']} {w['dtype']} lr {w['lr']:.0e}: {w['whole_bytes'] / 2**20:.2f} -> "
+                     f"{w['delta_bytes'] / 2**20:.2f} MiB = {w['ratio']:.1f}x" for w in r["rows"])
+    return (f"bytes per policy version, whole -> delta (XOR + zstd): {rows}",
+            ", ".join(f"{k} {v}" for k, v in r["settings"].items()))
+
+
 def vllm_rollout(out: str) -> tuple[str, str]:
     r = last_json(out)
     n, v = r["native"], r["vllm"]
@@ -276,6 +284,8 @@ BENCHES = [
           "agentic RL, asynchronous vs synchronous, same trained samples"),
     Bench("rl_ranks", ["--samples", "16", "--repeats", "1", "--sync-presets", "tiny", "--json"], ["--json"], rl_ranks,
           "RL update on 1 vs 2 gloo ranks, bucketed weight sync (tiny, small), INT4 mismatch with/without routing replay"),
+    Bench("weight_sync_delta", ["--presets", "tiny", "--steps", "2", "--json"], ["--json"], weight_sync_delta,
+          "RL weight sync: bytes per version whole vs delta, tiny and small, fp32 and bf16"),
     Bench("vllm_rollout", ["--prompts", "4", "--group", "4", "--new-tokens", "8", "--repeats", "1", "--json"],
           ["--json"], vllm_rollout, "rollouts on vLLM vs the native engine, same model and tokens (make vllm-setup)"),
     Bench("curation_dask", ["--max-docs", "500", "--planted", "50"], [], curation_dask,
