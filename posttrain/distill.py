@@ -26,6 +26,7 @@ recovered (`recovery`, (after - before) / (teacher - before) where the student w
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
@@ -41,7 +42,8 @@ from domains import arithmetic
 from domains.pools import gsm8k_tasks
 from domains.task import Task
 from glmforge.stage import Workdir
-from model.hf import artifact_weights, load_state
+from model.hf import artifact_weights, load_state, state_config
+from model.config import ModelConfig
 from model.model import GLMModel
 from quant.qat import QATConfig, prepare_qat, ptq_int4, remove_qat, save_int4
 from rl import gates, trainer
@@ -50,6 +52,7 @@ from rl.gates import EVALS, GateConfig
 from rl.ranks import check_placement, SINGLE, ParallelConfig, Ranks
 from rl.rollout import RolloutConfig, RolloutEngine, SamplingParams, open_engine, prompt_ids
 from rl.sample import Sample, Status
+from rl.served import NativeServerConfig, ServedEngine
 from rl.trainer import GateCheck, OptimConfig
 from rl.update import UpdateParams, collate, mismatch_trend, response_logprobs, update
 from training import checkpoint, metrics
@@ -81,6 +84,9 @@ class DistillConfig(BaseModel):
     rollout_int4: Optional[QATConfig] = None
     rollout_batch: int = Field(256, ge=1)
     rollout: RolloutConfig = Field(RolloutConfig(), description="the engine rollouts come from: native or vLLM")
+    teacher_servers: NativeServerConfig = Field(NativeServerConfig(replicas=1), description=(
+        "with rollout.backend=native_server: the server pool each teacher is served from (one pool per teacher, "
+        "loaded from its artifact); the trainer's ranks then hold no teacher"))
     gsm8k_path: str = "{samples}/gsm8k/train.jsonl"
     gsm8k_skip: int = Field(200, ge=0)
     use_qat: bool = Field(True, description="train with INT4 fake quantization; the INT4 export is the final model")
@@ -107,10 +113,12 @@ class DistillConfig(BaseModel):
 
 
 # ---------------------------------------------------------------- teachers
-def check_teacher(name: str, teacher_dir: Path, teacher: GLMModel, tokenizer, student: GLMModel) -> None:
-    """Refuse a teacher that cannot score the student's token ids: a different vocabulary size, or
-    a tokenizer (its artifact's hf/tokenizer.json) whose token -> id map differs from the student's."""
-    tv, sv = teacher.config.vocab_size, student.config.vocab_size
+def check_teacher(name: str, teacher_dir: Path, teacher: GLMModel | ModelConfig, tokenizer, student: GLMModel) -> None:
+    """Refuse a teacher (its model, or its config) that cannot score the student's token ids: a
+    different vocabulary size, or a tokenizer (its artifact's hf/tokenizer.json) whose token -> id
+    map differs from the student's."""
+    tv = (teacher.config if isinstance(teacher, GLMModel) else teacher).vocab_size
+    sv = student.config.vocab_size
     if tv != sv:
         raise ValueError(f"distill: teacher {name!r} ({teacher_dir}) has vocab_size {tv}, the student {sv}: "
                          "on-policy distillation scores the student's exact token ids, so teacher and student "
@@ -175,10 +183,20 @@ def distill_step(engine: RolloutEngine, model: GLMModel, opt: torch.optim.Optimi
             samples.append(Sample(task, len(samples), list(ids)))       # group size 1: a group per sample
             owner.append(name)
     lo, hi = ranks.bounds(len(samples))
-    engine.generate(samples[lo:hi], sampling, sample_gen or gen)
+    if isinstance(engine, ServedEngine):      # per-sample seeds alike on any placement (group = index)
+        g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+        seeds = torch.randint(0, 2**31 - 1, (len(samples),), generator=g).tolist()
+        engine.generate(samples[lo:hi], sampling, gen, seeds={i: seeds[i] for i in range(lo, hi)})
+    else:
+        engine.generate(samples[lo:hi], sampling, sample_gen or gen)
     for name, teacher in teachers.items():
         idx = [i for i, o in enumerate(owner) if o == name and lo <= i < hi]
-        for i, lp in zip(idx, teacher_logprobs(teacher, [samples[i] for i in idx], pad_id)):
+        mine = [samples[i] for i in idx]
+        if isinstance(teacher, ServedEngine):
+            scored = teacher.prefill_logprobs([(s.prompt_ids, s.response_ids) for s in mine])
+        else:
+            scored = teacher_logprobs(teacher, mine, pad_id)
+        for i, lp in zip(idx, scored):
             samples[i].teacher_logprobs = lp
     samples = [s for share in ranks.gather(samples[lo:hi]) for s in share]
     rec: dict[str, Any] = update(model, opt, samples, pad_id, params, gen, ranks)
@@ -217,14 +235,21 @@ def run_distill(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir) -
 
 def train(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir, ranks: Ranks = SINGLE) -> dict[str, Any] | None:
     """The stage in this process, or as one of `ranks` (rl.launch; rl_reasoning.train's split:
-    shares of the prompts per rank, rank 0 measures, gates and exports)."""
+    shares of the prompts per rank, rank 0 measures, gates and exports). With rollout servers
+    (rollout.backend=native_server) the student samples from them and each teacher is a server
+    pool of its own: the ranks hold only the student (expert-sharded with parallel.expert_parallel)."""
     seed = workdir.seed
     lead = ranks.rank == 0
+    served = cfg.rollout.backend == "native_server"
     tokenizer = load_tokenizer(inputs["tokenize"])
     model = trainer.load_policy(inputs["rl-general"], "rl-general", tokenizer, seed)
-    teachers: dict[str, GLMModel] = {}
-    for name in cfg.teachers:
-        t = load_state(artifact_weights(inputs[name], name))
+    teacher_files = {name: artifact_weights(inputs[name], name) for name in cfg.teachers}
+    teachers: dict[str, GLMModel | ServedEngine] = {}
+    for name, path in teacher_files.items():
+        if served:
+            check_teacher(name, inputs[name], state_config(path), tokenizer, model)
+            continue
+        t = load_state(path)
         check_teacher(name, inputs[name], t, tokenizer, model)
         t.eval()
         for p in t.parameters():
@@ -239,8 +264,14 @@ def train(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir, ranks: 
     before, teacher_evals = {}, {}
     if found is None and lead:
         before = trainer.measure_gates(model, tokenizer, cfg.gates, seed, (inputs.get("rl-general"), "rl-general"))
-        teacher_evals = {n: trainer.measure_gates(t, tokenizer, cfg.gates, seed, (inputs.get(n), n))
-                         for n, t in teachers.items()}
+        for n, path in teacher_files.items():     # a served teacher is loaded here only when its gates are not recorded
+            known = gates.recorded(gates.read_chain(inputs.get(n)), n, gates.spec(cfg.gates.evals, seed))
+            teacher_evals[n] = known if known is not None else trainer.measure_gates(
+                teachers.get(n) or load_state(path), tokenizer, cfg.gates, seed)
+    if cfg.parallel.expert_parallel > 1 and ranks.world > 1:
+        from training import expert_parallel
+
+        ranks = Ranks(ranks.rank, ranks.world, expert_parallel.setup(model, cfg.parallel.expert_parallel))
     if cfg.use_qat:
         prepare_qat(model, cfg.qat)      # names unchanged: checkpoints and engine syncs stay plain copies
     gen = torch.Generator().manual_seed(seed)
@@ -266,22 +297,33 @@ def train(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir, ranks: 
             rec["trainer_ranks"] = ranks.world
         return rec
 
-    with open_engine(cfg.rollout, model, tokenizer, stop_ids, pad_id, workdir.checkpoint / f"engine-rank{ranks.rank}",
-                     int4=cfg.rollout_int4, batch_size=cfg.rollout_batch) as engine:
+    engine_root = workdir.checkpoint / ("engine" if served else f"engine-rank{ranks.rank}")
+    with contextlib.ExitStack() as stack:
+        engine = stack.enter_context(open_engine(cfg.rollout, model, tokenizer, stop_ids, pad_id, engine_root,
+                                                 int4=cfg.rollout_int4, batch_size=cfg.rollout_batch, ranks=ranks))
+        if served:
+            for name, path in teacher_files.items():
+                pool = stack.enter_context(ServedEngine(None, tokenizer, stop_ids, pad_id, cfg.teacher_servers,
+                                                        workdir.checkpoint / "teachers" / name, ranks=ranks))
+                pool.serve_file(path)
+                teachers[name] = pool
         trainer.run_steps("distill", policy, one_step, start=start, steps=cfg.steps, root=root, log_path=log_path,
                           workdir=workdir, checkpoint_every=cfg.checkpoint_every, keep_last=cfg.keep_last,
                           meta=lambda: {"before": before, "teacher_evals": teacher_evals},
                           describe=lambda r: f"reverse KL {r.get('reverse_kl', float('nan')):.3f}")
-    if not lead:
-        return None
     if cfg.use_qat:
         remove_qat(model)            # the full-precision weights QAT trained; INT4 is exported from them
+    model = trainer.whole_model(model, ranks)       # a collective with expert parallelism
+    if not lead:
+        return None
     after = trainer.measure_gates(model, tokenizer, cfg.gates, seed)
     int4_after = trainer.measure_gates(ptq_int4(model, cfg.qat), tokenizer, cfg.gates, seed)
     records = metrics.read(log_path)
     out = workdir.out
     result = summary(cfg, records, before, after, int4_after, teacher_evals)
     result["trainer_ranks"] = ranks.world
+    result["placement"] = {"trainer_ranks": ranks.world, "expert_parallel": cfg.parallel.expert_parallel,
+                           "rollout": cfg.rollout.backend, "teachers_served": served}
     measured = gates.spec(cfg.gates.evals, seed)
     gate = GateCheck(cfg.gates, before, after, "rl-general", chain_parent(inputs, teacher_evals, before, measured), seed)
     result["gates"] = trainer.publish("distill", out, records, model=model, tokenizer_dir=inputs["tokenize"], gate=gate,

@@ -12,8 +12,11 @@ the subset of vLLM's that RL needs, token ids in and token ids out:
                                      [{"version", "start", "end"}]}], "prompt_logprobs"}
     POST /weights/load              {"root", "version"}: a published version (rl.weight_sync,
                                      a delta applied on the version held) -> {"version", "bytes"}
+    POST /weights/load_file         {"path", "version"}: a model's state file (a teacher's
+                                     artifact), labelled `version` -> {"version", "bytes"}
     POST /weights/checksums         {"root", "version"}: the checksums of the weights held, cut
-                                     as that version was published -> {"version", "checksums"}
+                                     as that version was published (without them: per tensor)
+                                     -> {"version", "checksums"}
 
 A request's `n` samples are one batch drawn from a generator seeded with its `seed`: the same
 request on the same weights gives the same tokens, whichever replica serves it, before or after
@@ -36,6 +39,7 @@ from typing import Any
 import torch
 
 from model.config import ModelConfig
+from model.hf import load_state
 from model.model import GLMModel
 from quant.qat import QATConfig
 from rl import weight_sync
@@ -69,10 +73,20 @@ class NativeServer:
             self.version = self.engine.version = version
             return {"version": version, "bytes": moved}
 
-    def checksums(self, root: str, version: int) -> dict[str, Any]:
+    def load_file(self, path: str, version: int) -> dict[str, Any]:
+        with self.lock:
+            model = load_state(path)
+            self.engine = RolloutEngine(model, None, [], self.pad_id, int4=self.int4, batch_size=self.batch_size)
+            self.version = self.engine.version = version
+            return {"version": version, "bytes": Path(path).stat().st_size}
+
+    def checksums(self, root: str | None, version: int | None) -> dict[str, Any]:
         with self.lock:
             if self.engine is None:
                 return {"version": None, "checksums": {}}
+            if root is None:
+                return {"version": self.version,
+                        "checksums": {k: weight_sync.checksum(v) for k, v in self.state().items()}}
             return {"version": self.version, "checksums": weight_sync.checksums(self.state(), Path(root), version)}
 
     def generate(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -129,7 +143,8 @@ def handler_for(server: NativeServer) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:
             routes = {"/inference/v1/generate": server.generate,
                       "/weights/load": lambda b: server.load(b["root"], int(b["version"])),
-                      "/weights/checksums": lambda b: server.checksums(b["root"], int(b["version"]))}
+                      "/weights/load_file": lambda b: server.load_file(b["path"], int(b["version"])),
+                      "/weights/checksums": lambda b: server.checksums(b.get("root"), b.get("version"))}
             if self.path not in routes:
                 self._reply(404, {"error": f"no POST {self.path}"})
                 return

@@ -169,11 +169,16 @@ class Server:
 
 
 class ServedEngine:
-    def __init__(self, policy: GLMModel, tokenizer, stop_ids: list[int], pad_id: int, cfg: NativeServerConfig,
+    """A pool of native servers: the policy's rollouts (`sync` each version, `generate`,
+    `complete`), or a fixed model served from its state file (`serve_file`: a distillation
+    teacher, scored with `prefill_logprobs`)."""
+
+    def __init__(self, policy: GLMModel | None, tokenizer, stop_ids: list[int], pad_id: int, cfg: NativeServerConfig,
                  root: Path, *, int4: QATConfig | None = None, ranks: Ranks = SINGLE):
         self.tokenizer, self.stop_ids, self.cfg, self.ranks = tokenizer, list(stop_ids), cfg, ranks
         self.root, self.weights = Path(root), Path(root) / "weights"
-        self.config_json = policy.config.model_dump_json()
+        self.config_json = policy.config.model_dump_json() if policy is not None else ""
+        self.state_file: Path | None = None
         self.version: int | None = None
         self.restarts = 0
         self._syncs = 0
@@ -259,7 +264,9 @@ class ServedEngine:
         server.stop()
         server.launch()
         server.wait_healthy(self.cfg.startup_timeout_s)
-        if self.version is not None:
+        if self.state_file is not None:
+            self._load_file(server)
+        elif self.version is not None:
             self._load(server, self.version)
 
     def _take(self, server: Server, version: int) -> None:
@@ -331,6 +338,54 @@ class ServedEngine:
         if differs is not None:
             raise EngineFailed(f"native server {server.index} ({server.url}) holds {differs} other than version "
                                f"{version} publishes it")
+
+    def serve_file(self, path: Path) -> None:
+        """Every server loads a fixed model from its state file (version 0) and proves it holds
+        each of its tensors; a collective over the ranks (rank 0 does the work)."""
+        self.state_file = Path(path).resolve()
+        error = None
+        if self.ranks.rank == 0:
+            try:
+                with self._lock:
+                    for s in self.servers:
+                        self._revive(s)
+                        self._load_file(s)
+            except (EngineFailed, *_NETWORK_ERRORS) as e:
+                error = f"serving {path}: {e}"
+        error = self.ranks.broadcast(error)
+        if error:
+            raise EngineFailed(error)
+        self.version = 0
+
+    def _load_file(self, server: Server) -> None:
+        from safetensors import safe_open
+
+        server.call("/weights/load_file", {"path": str(self.state_file), "version": 0}, self.cfg.request_timeout_s)
+        held = server.call("/weights/checksums", {}, self.cfg.request_timeout_s)["checksums"]
+        with safe_open(str(self.state_file), framework="pt") as fh:
+            for name in sorted(fh.keys()):
+                if held.get(name) != weight_sync.checksum(fh.get_tensor(name)):
+                    raise EngineFailed(f"native server {server.index} ({server.url}) holds {name} other than "
+                                       f"{self.state_file} has it")
+
+    def prefill_logprobs(self, sequences: list[tuple[list[int], list[int]]], keys: list[str] | None = None
+                         ) -> list[list[float]]:
+        """log p(response token | everything before it) at temperature 1 for each (prompt,
+        response): one prefill each, no sampling (a distillation teacher's scores)."""
+        keys = keys or [f"seq/{i}" for i in range(len(sequences))]
+
+        def one(seq: tuple[list[int], list[int]], key: str) -> list[float]:
+            prompt, response = seq
+            server = self.servers[int(self.ring.owner(key))]
+            out = self._send(server, {"token_ids": list(prompt) + list(response),
+                                      "sampling_params": {"max_tokens": 0, "prompt_logprobs": 0}})
+            rows = out["prompt_logprobs"][len(prompt):]
+            return [row[str(t)]["logprob"] for row, t in zip(rows, response)]    # JSON keys: strings
+
+        if not sequences:
+            return []
+        with ThreadPoolExecutor(min(64, len(sequences))) as pool:
+            return list(pool.map(one, sequences, keys))
 
     # ------------------------------------------------------------ sampling
     def generate(self, samples: list[Sample], params: SamplingParams, generator: torch.Generator,

@@ -138,3 +138,52 @@ def test_a_placement_that_cannot_run_is_refused_before_anything_starts(inputs, t
     bad = {"backend": "native_server", "native_server": {"urls": ["http://127.0.0.1:9"], "startup_timeout_s": 2}}
     with pytest.raises(Exception, match=r"native server 0 at http://127.0.0.1:9 not healthy"):
         run_rl_reasoning(_cfg(rollout=bad), inputs, Workdir.at(tmp_path, seed=3))
+
+
+def test_distill_on_ranks_that_only_train_with_served_teachers_matches_one_process(tmp_path):
+    """The student's rollouts from 2 servers, each teacher a server pool of its own scoring the
+    student's tokens (prefill log-probs), the student expert-sharded over 2 trainer ranks: the same
+    samples and losses as the stage in one process with the same servers, and a SIGTERM resume
+    bit for bit the uninterrupted run."""
+    from posttrain.distill import DistillConfig, run_distill
+    from tests.posttrain._chain import artifacts, make_tokenizer
+
+    inputs = artifacts(tmp_path / "in", make_tokenizer(), {"sft": 0, "rl-reasoning": 1, "rl-agentic": 2,
+                                                            "rl-general": 3})
+
+    def cfg(parallel):
+        return DistillConfig(steps=3, prompts_per_teacher=3, optim={"lr": 1e-3}, max_new_tokens=4,
+                             checkpoint_every=10, qat={"group_size": 16}, export_hf=False, parallel=parallel,
+                             rollout=SERVED, teacher_servers={"replicas": 1},
+                             gates={"evals": {"arithmetic": 2, "gsm8k": 1, "gsm8k_max_new_tokens": 2, "tool": 1,
+                                              "tool_max_new_tokens": 2}, "tolerances": {}})
+
+    m = run_distill(cfg(PLACED), inputs, Workdir.at(tmp_path / "placed", seed=0))
+    assert m["placement"] == {"trainer_ranks": 2, "expert_parallel": 2, "rollout": "native_server",
+                              "teachers_served": True}
+    for name in ("sft", "rl-reasoning", "rl-agentic"):
+        assert (tmp_path / "placed" / "checkpoint" / "teachers" / name / "server-0.log").exists()
+    one = run_distill(cfg({}), inputs, Workdir.at(tmp_path / "one", seed=0))
+    a, b = _records(tmp_path / "placed"), _records(tmp_path / "one")
+    assert [r["response_length"] for r in a] == [r["response_length"] for r in b]
+    # the same tokens sampled and scored; the updates differ by DeepSpeed's AdamW and the expert-parallel
+    # reductions against torch's in one process (fp32), which after two steps moves the student's
+    # log-probs by up to ~1.5% of the small reverse KL
+    for key in ("reverse_kl/sft", "reverse_kl/rl-reasoning", "loss"):
+        assert [r[key] for r in a] == pytest.approx([r[key] for r in b], rel=3e-2, abs=1e-4), key
+    assert one["steps"] == m["steps"] == 3
+
+    def sigterm_at_1(done, total, desc):
+        if done == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    shutdown.reset()
+    try:
+        with pytest.raises(shutdown.Preempted, match=r"checkpoint at step [12] of 3"):
+            run_distill(cfg(PLACED), inputs, Workdir.at(tmp_path / "stopped", seed=0, progress=sigterm_at_1))
+    finally:
+        shutdown.reset()
+    assert not _descendants(b"rl.launch") and not _descendants(b"rl.native_server")
+    run_distill(cfg(PLACED), inputs, Workdir.at(tmp_path / "stopped", seed=0))
+    x, y = _weights(tmp_path / "placed"), _weights(tmp_path / "stopped")
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
