@@ -28,6 +28,7 @@ Checkpoints as rl-reasoning's: model, optimizer, rollout RNG, step; prompts deri
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -67,9 +68,10 @@ from rl.ranks import check_placement, SINGLE, ParallelConfig, Ranks
 from rl.rewards import REWARDS
 from rl.rollout import RolloutConfig, RolloutEngine, SamplingParams, open_engine, prompt_ids
 from rl.sample import Sample, Status
+from rl.served import NativeServerConfig, ServedEngine
 from rl.trainer import GateCheck, OptimConfig
 from rl.update import UpdateParams, assign_advantages, mismatch_trend, update
-from training import metrics
+from training import checkpoint, metrics
 
 log = logging.getLogger("glmforge")
 SOURCES = ("gsm8k", "mbpp", "arithmetic", "tool")
@@ -111,6 +113,9 @@ class RLGeneralConfig(BaseModel):
     rollout_int4: Optional[QATConfig] = None
     rollout_batch: int = Field(256, ge=1)
     rollout: RolloutConfig = Field(RolloutConfig(), description="the engine rollouts come from: native or vLLM")
+    judge_servers: NativeServerConfig = Field(NativeServerConfig(replicas=1), description=(
+        "with rollout.backend=native_server: the server pool each judge is served from (the GRM's weights, the "
+        "ORM); the trainer's ranks then hold no judge"))
     gsm8k_path: str = "{samples}/gsm8k/train.jsonl"
     gsm8k_skip: int = Field(200, ge=0)
     mbpp_path: str = "{samples}/mbpp/mbpp.jsonl"
@@ -266,6 +271,30 @@ def make_judges(cfg: RLGeneralConfig, inputs: dict[str, Path], tokenizer, stop_i
     return out
 
 
+def serve_judges(cfg: RLGeneralConfig, inputs: dict[str, Path], tokenizer, stop_ids: list[int], pad_id: int,
+                 root: Path, ranks: Ranks, stack: contextlib.ExitStack) -> dict[str, Judge]:
+    """make_judges' judges on server pools of their own (rl.served), opened on every rank (rank 0
+    starts the servers) and closed by `stack`: the GRM generates from the SFT weights served, the
+    ORM scores on a served reward model."""
+    from rl.orm import load_info
+
+    def pool(name: str) -> ServedEngine:
+        return stack.enter_context(ServedEngine(None, tokenizer, stop_ids, pad_id, cfg.judge_servers, root / name,
+                                                ranks=ranks))
+
+    out: dict[str, Judge] = {}
+    if cfg.weights.get("orm", 0) > 0:
+        info = load_info(inputs["reward-model"])
+        orm = pool("orm")
+        orm.serve_orm(inputs["reward-model"])
+        out["orm"] = orm_judge(orm, tokenizer, int(info["max_len"]), info["score_mean"], info["score_std"])
+    if cfg.weights.get("grm", 0) > 0:
+        grm = pool("grm")
+        grm.serve_file(artifact_weights(inputs["sft"], "sft"))
+        out["grm"] = grm_judge(grm, tokenizer, cfg.grm_scoring, cfg.grm_max_new_tokens, cfg.grm_min_number_mass)
+    return out
+
+
 def orm_accuracy(inputs: dict[str, Path]) -> Optional[float]:
     p = inputs.get("reward-model")
     if p is None or not (Path(p) / "orm.json").exists():
@@ -290,18 +319,30 @@ def run_rl_general(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workd
 def train(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workdir, ranks: Ranks = SINGLE,
           judges: Optional[dict[str, Judge]] = None) -> dict[str, Any] | None:
     """The stage in this process, or as one of `ranks` (rl.launch; rl_reasoning.train's split:
-    each rank generates and judges its share of the groups, rank 0 measures, gates and exports)."""
+    each rank generates and judges its share of the groups, rank 0 measures, gates and exports).
+    With rollout servers (rollout.backend=native_server) the policy samples from them and the
+    judges are served too: the ranks hold only the policy (expert-sharded with
+    parallel.expert_parallel)."""
     seed = workdir.seed
     lead = ranks.rank == 0
+    served = cfg.rollout.backend == "native_server"
     tokenizer = load_tokenizer(inputs["tokenize"])
     model = trainer.load_policy(inputs["rl-agentic"], "rl-agentic", tokenizer, seed, cfg.threads)
     stop_ids = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
     pad_id = tokenizer.token_to_id("<|pad|>")
     pools = general_pools(cfg)
-    if judges is None:
+    if judges is None and not served:
         judges = make_judges(cfg, inputs, tokenizer, stop_ids, pad_id)
     timeouts = {"orm": cfg.orm_timeout_s, "grm": cfg.grm_timeout_s}
-    services = {n: JudgeService(n, j, timeouts[n], cfg.judge_chunk) for n, j in judges.items()}
+    services: dict[str, JudgeService] = {}
+    resumed_meta = checkpoint.select_resume(workdir.checkpoint / trainer.CHECKPOINTS)
+    before = {}
+    if resumed_meta is None and lead:     # before the experts are sharded: the whole model's gates
+        before = trainer.measure_gates(model, tokenizer, cfg.gates, seed, (inputs["rl-agentic"], "rl-agentic"))
+    if cfg.parallel.expert_parallel > 1 and ranks.world > 1:
+        from training import expert_parallel
+
+        ranks = Ranks(ranks.rank, ranks.world, expert_parallel.setup(model, cfg.parallel.expert_parallel))
     gen = torch.Generator().manual_seed(seed)
     sample_gen = trainer.sampling_rng(gen, seed, ranks)
     policy = trainer.policy_for(model, cfg.optim, gen, ranks, cfg.parallel.zero_stage, sample_gen)
@@ -319,7 +360,12 @@ def train(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workdir, ranks
         lo, hi = ranks.bounds(len(tasks))               # this rank's groups (all of them on one)
         mine = [Sample(t, g, prompt_ids(tokenizer, t, t.meta.get("tools")))
                 for g, t in enumerate(tasks) if lo <= g < hi for _ in range(cfg.group_size)]
-        engine.generate(mine, sampling, sample_gen)
+        if served:           # one seed per group, drawn alike on any placement
+            step_gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+            seeds = torch.randint(0, 2**31 - 1, (len(tasks),), generator=step_gen).tolist()
+            engine.generate(mine, sampling, sample_gen, seeds={g: seeds[g] for g in range(lo, hi)})
+        else:
+            engine.generate(mine, sampling, sample_gen)
         t1 = time.perf_counter()
         failures, comps, extra = hybrid_rewards(mine, tokenizer, services, cfg)
         t2 = time.perf_counter()
@@ -340,22 +386,29 @@ def train(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workdir, ranks
         return rec
 
     resumed = trainer.load_latest(root, policy, log_path, "rl-general")
+    start = 0
     if resumed is not None:
         start, before = resumed[0], resumed[1]["before"]
-    else:
-        start, before = 0, trainer.measure_gates(model, tokenizer, cfg.gates, seed,
-                                                 (inputs["rl-agentic"], "rl-agentic")) if lead else {}
-    with open_engine(cfg.rollout, model, tokenizer, stop_ids, pad_id, workdir.checkpoint / f"engine-rank{ranks.rank}",
-                     int4=cfg.rollout_int4, batch_size=cfg.rollout_batch) as engine:
+    engine_root = workdir.checkpoint / ("engine" if served else f"engine-rank{ranks.rank}")
+    with contextlib.ExitStack() as stack:
+        engine = stack.enter_context(open_engine(cfg.rollout, model, tokenizer, stop_ids, pad_id, engine_root,
+                                                 int4=cfg.rollout_int4, batch_size=cfg.rollout_batch, ranks=ranks))
+        if judges is None:
+            judges = serve_judges(cfg, inputs, tokenizer, stop_ids, pad_id, workdir.checkpoint / "judges", ranks,
+                                  stack)
+        services.update({n: JudgeService(n, j, timeouts[n], cfg.judge_chunk) for n, j in judges.items()})
         trainer.run_steps("rl-general", policy, one_step, start=start, steps=cfg.steps, root=root, log_path=log_path,
                           workdir=workdir, checkpoint_every=cfg.checkpoint_every, keep_last=cfg.keep_last,
                           meta=lambda: {"before": before}, describe=lambda r: f"reward {r['reward']:.3f}")
+    model = trainer.whole_model(model, ranks)       # a collective with expert parallelism
     if not lead:
         return None
     after = trainer.measure_gates(model, tokenizer, cfg.gates, seed)
     records = metrics.read(log_path)
     result = summary(records, inputs)
     result["trainer_ranks"] = ranks.world
+    result["placement"] = {"trainer_ranks": ranks.world, "expert_parallel": cfg.parallel.expert_parallel,
+                           "rollout": cfg.rollout.backend, "judges_served": served}
     with open(workdir.out / "samples.jsonl", "w") as f:
         for s in last[: cfg.examples]:
             f.write(json.dumps({"prompt": s.task.prompt, "response": s.text, "rewards": s.rewards,

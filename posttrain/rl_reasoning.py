@@ -44,7 +44,6 @@ from domains import arithmetic
 from domains.pools import DOMAINS, gsm8k_tasks, load_pools
 from domains.task import Task
 from glmforge.stage import OPERATIONAL, Workdir
-from model.model import GLMModel
 from quant.qat import QATConfig
 from rl import gates, reward_audit, trainer
 from rl.algorithms import AdvantageName, PolicyLossName

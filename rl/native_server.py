@@ -6,17 +6,24 @@ the subset of vLLM's that RL needs, token ids in and token ids out:
     GET  /health                    {"version": v}  (null before the first weights)
     POST /inference/v1/generate     {"token_ids": prompt, "sampling_params": {"n", "seed",
                                      "max_tokens", "temperature", "top_p", "stop_token_ids",
-                                     "prompt_logprobs"}}
+                                     "prompt_logprobs", "logprobs"}}
                                  -> {"choices": [{"token_ids", "logprobs": {"content":
                                      [{"logprob"}]}, "finish_reason", "weight_versions":
                                      [{"version", "start", "end"}]}], "prompt_logprobs"}
     POST /weights/load              {"root", "version"}: a published version (rl.weight_sync,
                                      a delta applied on the version held) -> {"version", "bytes"}
     POST /weights/load_file         {"path", "version"}: a model's state file (a teacher's
-                                     artifact), labelled `version` -> {"version", "bytes"}
+                                     artifact, a judge's weights), labelled `version`
+    POST /weights/load_orm          {"dir", "version"}: an outcome reward model (rl.orm)
+    POST /score                     {"items": [[token ids, reply start], ...]}: the ORM's scores
+                                     -> {"scores"}
     POST /weights/checksums         {"root", "version"}: the checksums of the weights held, cut
                                      as that version was published (without them: per tensor)
                                      -> {"version", "checksums"}
+
+`logprobs` (with max_tokens 1): the first token's distribution at the request's temperature, its
+top k entries as [token id, log-prob] pairs (-1: the whole vocabulary), a judge's verdict read
+from the first token (rl.judges.grm_judge, "expected" scoring).
 
 A request's `n` samples are one batch drawn from a generator seeded with its `seed`: the same
 request on the same weights gives the same tokens, whichever replica serves it, before or after
@@ -43,6 +50,7 @@ from model.hf import load_state
 from model.model import GLMModel
 from quant.qat import QATConfig
 from rl import weight_sync
+from rl.orm import ARTIFACT_FILES, RewardModel, load_reward_model
 from rl.rollout import RolloutEngine, SamplingParams
 
 log = logging.getLogger("glmforge")
@@ -55,12 +63,28 @@ class NativeServer:
         self.int4 = QATConfig(**int4) if int4 else None
         self.batch_size, self.pad_id = batch_size, pad_id
         self.engine: RolloutEngine | None = None
+        self.orm: RewardModel | None = None
         self.version: int | None = None
         self.lock = threading.Lock()
 
     def state(self) -> dict[str, torch.Tensor]:
+        if self.orm is not None:
+            return self.orm.state_dict()
         assert self.engine is not None
         return self.engine.model.state_dict()
+
+    def load_orm(self, path: str, version: int) -> dict[str, Any]:
+        with self.lock:
+            self.orm, _ = load_reward_model(Path(path), self.pad_id)
+            self.engine, self.version = None, version
+            return {"version": version, "bytes": sum((Path(path) / f).stat().st_size for f in ARTIFACT_FILES)}
+
+    def score(self, body: dict[str, Any]) -> dict[str, Any]:
+        items = [(list(map(int, ids)), int(start)) for ids, start in body["items"]]
+        with self.lock:
+            if self.orm is None:
+                raise RuntimeError("no reward model loaded (POST /weights/load_orm first)")
+            return {"scores": self.orm.score_ids(items, self.batch_size).tolist()}
 
     def load(self, root: str, version: int) -> dict[str, Any]:
         with self.lock:
@@ -77,12 +101,13 @@ class NativeServer:
         with self.lock:
             model = load_state(path)
             self.engine = RolloutEngine(model, None, [], self.pad_id, int4=self.int4, batch_size=self.batch_size)
-            self.version = self.engine.version = version
+            self.orm, self.version = None, version
+            self.engine.version = version
             return {"version": version, "bytes": Path(path).stat().st_size}
 
     def checksums(self, root: str | None, version: int | None) -> dict[str, Any]:
         with self.lock:
-            if self.engine is None:
+            if self.engine is None and self.orm is None:
                 return {"version": None, "checksums": {}}
             if root is None:
                 return {"version": self.version,
@@ -104,6 +129,11 @@ class NativeServer:
             max_tokens = int(sp.get("max_tokens", 16))
             if max_tokens < 1:
                 return out
+            if sp.get("logprobs") is not None:
+                if max_tokens != 1 or n != 1:
+                    raise ValueError("logprobs: the first token's distribution, with max_tokens 1 and n 1")
+                out["choices"].append(self._first_token(prompt, temperature, int(sp["logprobs"])))
+                return out
             self.engine.stop_ids = [int(t) for t in sp.get("stop_token_ids", [])]
             params = SamplingParams(temperature, float(sp.get("top_p", 1.0)), max_tokens)
             gen = torch.Generator().manual_seed(int(sp.get("seed", 0)))
@@ -113,6 +143,18 @@ class NativeServer:
                     "finish_reason": "stop" if stopped else "length",
                     "weight_versions": [{"version": str(self.version), "start": 0, "end": len(toks)}]})
             return out
+
+    @torch.no_grad()
+    def _first_token(self, ids: list[int], temperature: float, k: int) -> dict[str, Any]:
+        logits = self.engine.model(torch.tensor([ids])).logits[0, -1].float()
+        logp = torch.log_softmax(logits / (temperature or 1.0), -1)
+        top = torch.argsort(logp, descending=True, stable=True)
+        top = top if k < 0 else top[:k]
+        first = int(top[0])
+        return {"token_ids": [first], "finish_reason": "length",
+                "logprobs": {"content": [{"logprob": float(logp[first]),
+                                          "top_logprobs": [[int(t), float(logp[t])] for t in top]}]},
+                "weight_versions": [{"version": str(self.version), "start": 0, "end": 1}]}
 
     @torch.no_grad()
     def _prompt_logprobs(self, ids: list[int]) -> list[dict[str, dict[str, float]] | None]:
@@ -144,6 +186,8 @@ def handler_for(server: NativeServer) -> type[BaseHTTPRequestHandler]:
             routes = {"/inference/v1/generate": server.generate,
                       "/weights/load": lambda b: server.load(b["root"], int(b["version"])),
                       "/weights/load_file": lambda b: server.load_file(b["path"], int(b["version"])),
+                      "/weights/load_orm": lambda b: server.load_orm(b["dir"], int(b["version"])),
+                      "/score": server.score,
                       "/weights/checksums": lambda b: server.checksums(b.get("root"), b.get("version"))}
             if self.path not in routes:
                 self._reply(404, {"error": f"no POST {self.path}"})

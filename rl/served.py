@@ -179,6 +179,7 @@ class ServedEngine:
         self.root, self.weights = Path(root), Path(root) / "weights"
         self.config_json = policy.config.model_dump_json() if policy is not None else ""
         self.state_file: Path | None = None
+        self.orm_dir: Path | None = None
         self.version: int | None = None
         self.restarts = 0
         self._syncs = 0
@@ -266,6 +267,8 @@ class ServedEngine:
         server.wait_healthy(self.cfg.startup_timeout_s)
         if self.state_file is not None:
             self._load_file(server)
+        elif self.orm_dir is not None:
+            self._load_orm(server)
         elif self.version is not None:
             self._load(server, self.version)
 
@@ -343,30 +346,81 @@ class ServedEngine:
         """Every server loads a fixed model from its state file (version 0) and proves it holds
         each of its tensors; a collective over the ranks (rank 0 does the work)."""
         self.state_file = Path(path).resolve()
+        self._serve_fixed(path, self._load_file)
+
+    def serve_orm(self, artifact: Path) -> None:
+        """Every server loads an outcome reward model (rl.orm) from its artifact, checked tensor by
+        tensor; then `score_ids` scores on them. A collective over the ranks."""
+        self.orm_dir = Path(artifact).resolve()
+        self._serve_fixed(artifact, self._load_orm)
+
+    def _serve_fixed(self, what: Path, load) -> None:
         error = None
         if self.ranks.rank == 0:
             try:
                 with self._lock:
                     for s in self.servers:
                         self._revive(s)
-                        self._load_file(s)
+                        load(s)
             except (EngineFailed, *_NETWORK_ERRORS) as e:
-                error = f"serving {path}: {e}"
+                error = f"serving {what}: {e}"
         error = self.ranks.broadcast(error)
         if error:
             raise EngineFailed(error)
         self.version = 0
 
     def _load_file(self, server: Server) -> None:
+        server.call("/weights/load_file", {"path": str(self.state_file), "version": 0}, self.cfg.request_timeout_s)
+        self._check_files(server, [(self.state_file, "")])
+
+    def _load_orm(self, server: Server) -> None:
+        server.call("/weights/load_orm", {"dir": str(self.orm_dir), "version": 0}, self.cfg.request_timeout_s)
+        self._check_files(server, [(self.orm_dir / "backbone.safetensors", "backbone."),
+                                   (self.orm_dir / "head.safetensors", "")])
+
+    def _check_files(self, server: Server, files: list[tuple[Path, str]]) -> None:
+        """The server holds every tensor of these state files (name prefixed) exactly."""
         from safetensors import safe_open
 
-        server.call("/weights/load_file", {"path": str(self.state_file), "version": 0}, self.cfg.request_timeout_s)
         held = server.call("/weights/checksums", {}, self.cfg.request_timeout_s)["checksums"]
-        with safe_open(str(self.state_file), framework="pt") as fh:
-            for name in sorted(fh.keys()):
-                if held.get(name) != weight_sync.checksum(fh.get_tensor(name)):
-                    raise EngineFailed(f"native server {server.index} ({server.url}) holds {name} other than "
-                                       f"{self.state_file} has it")
+        for path, prefix in files:
+            with safe_open(str(path), framework="pt") as fh:
+                for name in sorted(fh.keys()):
+                    if held.get(prefix + name) != weight_sync.checksum(fh.get_tensor(name)):
+                        raise EngineFailed(f"native server {server.index} ({server.url}) holds {prefix + name} "
+                                           f"other than {path} has it")
+
+    def score_ids(self, items: list[tuple[list[int], int]], batch: int = 32) -> torch.Tensor:
+        """The served ORM's score of each (token ids, reply start), as rl.orm.RewardModel.score_ids."""
+        chunks = [items[i:i + batch] for i in range(0, len(items), batch)]
+
+        def one(k: int) -> list[float]:
+            server = self.servers[int(self.ring.owner(f"score/{k}"))]
+            return self._send(server, {"items": [[list(ids), start] for ids, start in chunks[k]]},
+                              "/score")["scores"]
+
+        if not chunks:
+            return torch.zeros(0)
+        with ThreadPoolExecutor(min(16, len(chunks))) as pool:
+            return torch.tensor([x for part in pool.map(one, range(len(chunks))) for x in part])
+
+    def next_token_logprobs(self, prefixes: list[list[int]]) -> torch.Tensor:
+        """log p(next token | prefix) over the whole vocabulary for each prefix [N, vocab]: the
+        first token's distribution at temperature 1 (a judge's verdict)."""
+        def one(i: int) -> list[list[float]]:
+            server = self.servers[int(self.ring.owner(f"next/{i}"))]
+            out = self._send(server, {"token_ids": prefixes[i], "sampling_params": {
+                "n": 1, "max_tokens": 1, "temperature": 1.0, "logprobs": -1}})
+            return out["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+
+        with ThreadPoolExecutor(min(64, max(len(prefixes), 1))) as pool:
+            rows = list(pool.map(one, range(len(prefixes))))
+        vocab = max((len(r) for r in rows), default=0)
+        out = torch.full((len(prefixes), vocab), float("-inf"))
+        for i, row in enumerate(rows):
+            ids = torch.tensor([int(t) for t, _ in row])
+            out[i, ids] = torch.tensor([lp for _, lp in row])
+        return out
 
     def prefill_logprobs(self, sequences: list[tuple[list[int], list[int]]], keys: list[str] | None = None
                          ) -> list[list[float]]:
@@ -445,16 +499,16 @@ class ServedEngine:
             result.append((toks, lps, choice["finish_reason"] == "stop", versions))
         return result
 
-    def _send(self, server: Server, body: dict) -> dict:
-        """A generate request; a server that is down is waited for (rank 0 restarts it) until it
-        serves the current version again."""
+    def _send(self, server: Server, body: dict, path: str = "/inference/v1/generate") -> dict:
+        """A request; a server that is down is waited for (rank 0 restarts it) until it serves
+        the current version again."""
         deadline = time.monotonic() + self.cfg.startup_timeout_s + self.cfg.request_timeout_s
         while True:
             try:
-                return http(server.url + "/inference/v1/generate", "POST", body, self.cfg.request_timeout_s)
+                return http(server.url + path, "POST", body, self.cfg.request_timeout_s)
             except urllib.error.HTTPError as e:
                 detail = e.read().decode(errors="replace")[:2000]
-                if e.code != 500 or "no weights loaded" not in detail:
+                if e.code != 500 or not ("no weights loaded" in detail or "no reward model loaded" in detail):
                     raise EngineFailed(f"native server {server.index} ({server.url}): HTTP {e.code}: {detail}") from e
                 reason = detail
             except _NETWORK_ERRORS as e:

@@ -148,7 +148,7 @@ def test_distill_on_ranks_that_only_train_with_served_teachers_matches_one_proce
     from posttrain.distill import DistillConfig, run_distill
     from tests.posttrain._chain import artifacts, make_tokenizer
 
-    inputs = artifacts(tmp_path / "in", make_tokenizer(), {"sft": 0, "rl-reasoning": 1, "rl-agentic": 2,
+    chain = artifacts(tmp_path / "in", make_tokenizer(), {"sft": 0, "rl-reasoning": 1, "rl-agentic": 2,
                                                             "rl-general": 3})
 
     def cfg(parallel):
@@ -158,12 +158,12 @@ def test_distill_on_ranks_that_only_train_with_served_teachers_matches_one_proce
                              gates={"evals": {"arithmetic": 2, "gsm8k": 1, "gsm8k_max_new_tokens": 2, "tool": 1,
                                               "tool_max_new_tokens": 2}, "tolerances": {}})
 
-    m = run_distill(cfg(PLACED), inputs, Workdir.at(tmp_path / "placed", seed=0))
+    m = run_distill(cfg(PLACED), chain, Workdir.at(tmp_path / "placed", seed=0))
     assert m["placement"] == {"trainer_ranks": 2, "expert_parallel": 2, "rollout": "native_server",
                               "teachers_served": True}
     for name in ("sft", "rl-reasoning", "rl-agentic"):
         assert (tmp_path / "placed" / "checkpoint" / "teachers" / name / "server-0.log").exists()
-    one = run_distill(cfg({}), inputs, Workdir.at(tmp_path / "one", seed=0))
+    one = run_distill(cfg({}), chain, Workdir.at(tmp_path / "one", seed=0))
     a, b = _records(tmp_path / "placed"), _records(tmp_path / "one")
     assert [r["response_length"] for r in a] == [r["response_length"] for r in b]
     # the same tokens sampled and scored; the updates differ by DeepSpeed's AdamW and the expert-parallel
@@ -180,10 +180,48 @@ def test_distill_on_ranks_that_only_train_with_served_teachers_matches_one_proce
     shutdown.reset()
     try:
         with pytest.raises(shutdown.Preempted, match=r"checkpoint at step [12] of 3"):
-            run_distill(cfg(PLACED), inputs, Workdir.at(tmp_path / "stopped", seed=0, progress=sigterm_at_1))
+            run_distill(cfg(PLACED), chain, Workdir.at(tmp_path / "stopped", seed=0, progress=sigterm_at_1))
     finally:
         shutdown.reset()
     assert not _descendants(b"rl.launch") and not _descendants(b"rl.native_server")
-    run_distill(cfg(PLACED), inputs, Workdir.at(tmp_path / "stopped", seed=0))
+    run_distill(cfg(PLACED), chain, Workdir.at(tmp_path / "stopped", seed=0))
     x, y = _weights(tmp_path / "placed"), _weights(tmp_path / "stopped")
     assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_rl_general_on_ranks_that_only_train_with_served_judges_matches_one_process(tmp_path):
+    """The policy's rollouts, the GRM (the SFT weights, "expected" scoring over the first token) and
+    the ORM each on server pools, the policy expert-sharded over 2 trainer ranks: the same samples
+    and the same judged rewards as the stage in one process on the same servers."""
+    from posttrain.rl_general import RLGeneralConfig, run_rl_general
+    from rl.orm import RewardModel, save_reward_model
+    from tests.posttrain._chain import artifacts, make_tokenizer
+    from tests.rl.conftest import small_model
+
+    tok = make_tokenizer()
+    chain = artifacts(tmp_path / "in", tok, {"sft": 0, "rl-agentic": 1})
+    orm = RewardModel(small_model(tok.get_vocab_size(), seed=2), tok.token_to_id("<|pad|>"))
+    with torch.no_grad():
+        orm.head.weight.normal_()
+    save_reward_model(orm, tmp_path / "in" / "reward-model", {"max_len": 48, "score_mean": 0.0, "score_std": 1.0,
+                                                               "heldout_pairwise_accuracy": 0.5})
+    chain["reward-model"] = tmp_path / "in" / "reward-model"
+
+    def cfg(parallel):
+        return RLGeneralConfig(steps=2, prompts_per_step=3, group_size=3, optim={"lr": 1e-3}, max_new_tokens=6,
+                               length_target=4, checkpoint_every=1, weights={"rule": 1.0, "orm": 1.0, "grm": 1.0},
+                               grm_scoring="expected", grm_min_number_mass=0.0, parallel=parallel, rollout=SERVED,
+                               gates={"evals": {"arithmetic": 2, "gsm8k": 1, "gsm8k_max_new_tokens": 2, "tool": 1,
+                                                "tool_max_new_tokens": 2}, "tolerances": {}})
+
+    m = run_rl_general(cfg(PLACED), chain, Workdir.at(tmp_path / "placed", seed=2))
+    assert m["placement"] == {"trainer_ranks": 2, "expert_parallel": 2, "rollout": "native_server",
+                              "judges_served": True}
+    assert {"rule", "orm", "grm"} <= set(m["reward_per_component"])
+    for judge in ("orm", "grm"):
+        assert (tmp_path / "placed" / "checkpoint" / "judges" / judge / "server-0.log").exists()
+    run_rl_general(cfg({}), chain, Workdir.at(tmp_path / "one", seed=2))
+    a, b = _records(tmp_path / "placed"), _records(tmp_path / "one")
+    assert [r["response_length"] for r in a] == [r["response_length"] for r in b]
+    for key in ("reward/rule", "reward/orm", "reward/grm"):
+        assert [r[key] for r in a] == pytest.approx([r[key] for r in b], abs=1e-5), key

@@ -161,3 +161,44 @@ def test_int4_servers_sample_from_the_fake_quantized_copy(tokenizer, tmp_path):
     recompute_old_logprobs(model, samples, tokenizer.token_to_id("<|pad|>"), 1.0)
     gap = max(abs(a - b) for s in samples for a, b in zip(s.train_logprobs, s.rollout_logprobs))
     assert gap > 1e-3
+
+
+def test_served_judges_answer_as_the_models_in_process(tokenizer, tmp_path):
+    """A judge's pool: the GRM's first-token distribution and greedy completions, and the ORM's
+    scores, equal the same models run in this process."""
+    from model.hf import save_state
+    from rl.orm import RewardModel, save_reward_model
+    from rl.rollout import RolloutEngine
+
+    vocab = tokenizer.get_vocab_size()
+    grm = small_model(vocab, seed=4)
+    save_state(grm, tmp_path / "grm.safetensors")
+    orm = RewardModel(small_model(vocab, seed=5), tokenizer.token_to_id("<|pad|>"))
+    with torch.no_grad():
+        orm.head.weight.normal_()
+        orm.likelihood.weight.normal_()
+    save_reward_model(orm, tmp_path / "orm", {"max_len": 48, "score_mean": 0.0, "score_std": 1.0})
+    stops = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
+    pad = tokenizer.token_to_id("<|pad|>")
+    prefixes = [prompt_ids(tokenizer, t) for t in arithmetic.tasks(5, "train", seed=1)]
+    cfg = NativeServerConfig(replicas=2)
+    with ServedEngine(None, tokenizer, stops, pad, cfg, tmp_path / "g") as g, \
+            ServedEngine(None, tokenizer, stops, pad, cfg, tmp_path / "o") as o:
+        g.serve_file(tmp_path / "grm.safetensors")
+        o.serve_orm(tmp_path / "orm")
+        local = RolloutEngine(grm, tokenizer, stops, pad)
+        assert torch.allclose(g.next_token_logprobs(prefixes), local.next_token_logprobs(prefixes), atol=1e-5)
+        greedy = SamplingParams(0.0, 1.0, 6)
+        served, here = g.complete(prefixes, greedy, torch.Generator()), local.complete(prefixes, greedy, torch.Generator())
+        assert [(c[0], c[2]) for c in served] == [(c[0], c[2]) for c in here]      # tokens, stopped
+        assert [c[1] for c in served] == [pytest.approx(c[1], abs=1e-5) for c in here]
+        items = [(p + [5, 6, 7], len(p)) for p in prefixes]
+        assert torch.allclose(o.score_ids(items, batch=2), orm.score_ids(items), atol=1e-5)
+        # a server killed (-9) is started again with the ORM and checked, by the watchdog
+        os.killpg(o.servers[0].proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while o.restarts < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert o.restarts == 1
+        o.servers[0].wait_healthy(30)
+        assert torch.allclose(o.score_ids(items, batch=1), orm.score_ids(items), atol=1e-5)
