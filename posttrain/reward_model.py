@@ -51,7 +51,8 @@ from rl.algorithms import PREFERENCE_LOSSES, PreferenceLossName
 from rl.orm import RewardModel, load_reward_model, save_reward_model  # noqa: F401 (the stage's model)
 from rl.ranks import check_placement, SINGLE, ParallelConfig, Ranks
 from rl.trainer import OptimConfig
-from training import metrics
+from model.model import GLMModel
+from training import checkpoint, metrics
 
 log = logging.getLogger("glmforge")
 
@@ -80,7 +81,7 @@ class RewardModelConfig(BaseModel):
 
     @model_validator(mode="after")
     def _placement(self) -> "RewardModelConfig":
-        check_placement("reward-model", self.parallel, "native")
+        check_placement("reward-model", self.parallel, None)     # it generates nothing
         return self
 
 
@@ -210,8 +211,8 @@ def run_reward_model(cfg: RewardModelConfig, inputs: dict[str, Path], workdir: W
 def train(cfg: RewardModelConfig, inputs: dict[str, Path], workdir: Workdir, ranks: Ranks = SINGLE
           ) -> dict[str, Any] | None:
     """The stage in this process, or as one of `ranks` (rl.launch): each rank scores its share of
-    the step's pairs, the loss scaled to the whole batch's mean (rl.ranks); rank 0 evaluates and
-    publishes."""
+    the step's pairs, the loss scaled to the whole batch's mean (rl.ranks; the backbone's experts
+    sharded over them with parallel.expert_parallel); rank 0 evaluates and publishes."""
     seed = workdir.seed
     lead = ranks.rank == 0
     tokenizer = load_tokenizer(inputs["tokenize"])
@@ -223,13 +224,18 @@ def train(cfg: RewardModelConfig, inputs: dict[str, Path], workdir: Workdir, ran
     tr_c, tr_r = enc(train, "chosen"), enc(train, "rejected")
     he_c, he_r, kinds = enc(held, "chosen"), enc(held, "rejected"), [p.kind for p in held]
     root, log_path = workdir.checkpoint / trainer.CHECKPOINTS, workdir.checkpoint / "metrics.jsonl"
+    fresh = checkpoint.select_resume(root) is None
+    before = heldout_accuracy(rm, he_c, he_r, kinds, cfg.eval_batch) if fresh and lead else {}   # the whole model
+    if cfg.parallel.expert_parallel > 1 and ranks.world > 1:
+        from training import expert_parallel
+
+        ranks = Ranks(ranks.rank, ranks.world, expert_parallel.setup(rm, cfg.parallel.expert_parallel))
     policy = trainer.policy_for(rm, cfg.optim, None, ranks, cfg.parallel.zero_stage)
     opt = policy.optimizer
     resumed = trainer.load_latest(root, policy, log_path, "reward-model")
+    start = 0
     if resumed is not None:
         start, before = resumed[0], resumed[1]["before"]
-    else:
-        start, before = 0, heldout_accuracy(rm, he_c, he_r, kinds, cfg.eval_batch) if lead else {}
     rm.train()
 
     def one_step(step: int) -> dict[str, Any]:
@@ -248,6 +254,13 @@ def train(cfg: RewardModelConfig, inputs: dict[str, Path], workdir: Workdir, ran
     trainer.run_steps("reward-model", policy, one_step, start=start, steps=cfg.steps, root=root, log_path=log_path,
                       workdir=workdir, checkpoint_every=cfg.checkpoint_every, keep_last=cfg.keep_last,
                       meta=lambda: {"before": before}, describe=lambda r: f"loss {r['loss']:.3f}")
+    if ranks.ep is not None:        # a collective: every expert gathered into a whole model on rank 0
+        from model.moe import gathered_state_dict
+
+        state = gathered_state_dict(rm)
+        if lead:
+            rm = RewardModel(GLMModel(backbone.config), pad_id)
+            rm.load_state_dict(state)
     if not lead:
         return None
     after = heldout_accuracy(rm, he_c, he_r, kinds, cfg.eval_batch)
@@ -263,6 +276,7 @@ def train(cfg: RewardModelConfig, inputs: dict[str, Path], workdir: Workdir, ran
         "heldout_accuracy_per_kind": after["per_kind"],
         "loss": {"first": records[0]["loss"], "last": records[-1]["loss"]} if records else None,
         "trainer_ranks": ranks.world,
+        "placement": {"trainer_ranks": ranks.world, "expert_parallel": cfg.parallel.expert_parallel},
     }
     save_reward_model(rm, out, {"heldout_pairwise_accuracy": after["accuracy"], "per_kind": after["per_kind"],
                                 "n": after["n"], "max_len": cfg.max_len,

@@ -225,3 +225,26 @@ def test_rl_general_on_ranks_that_only_train_with_served_judges_matches_one_proc
     assert [r["response_length"] for r in a] == [r["response_length"] for r in b]
     for key in ("reward/rule", "reward/orm", "reward/grm"):
         assert [r[key] for r in a] == pytest.approx([r[key] for r in b], abs=1e-5), key
+
+
+def test_reward_model_with_its_experts_sharded_equals_one_process(tmp_path):
+    """The reward model generates nothing: its trainer ranks only train, with the backbone's experts
+    sharded over them (expert_parallel 2); 5 pairs a step (shares of 3 and 2), as in one process."""
+    from posttrain.reward_model import RewardModelConfig, run_reward_model
+    from tests.posttrain._chain import artifacts, make_tokenizer
+
+    chain = artifacts(tmp_path / "in", make_tokenizer(), {"rl-reasoning": 3})
+    kw = dict(steps=3, batch_pairs=5, optim={"lr": 1e-3}, max_len=48, gsm8k_pairs=20, mbpp_pairs=10,
+              arithmetic_pairs=20, heldout_percent=25, checkpoint_every=2)
+    one = run_reward_model(RewardModelConfig(**kw), chain, Workdir.at(tmp_path / "one", seed=1))
+    two = run_reward_model(RewardModelConfig(**kw, parallel=PLACED), chain, Workdir.at(tmp_path / "two", seed=1))
+    assert two["placement"] == {"trainer_ranks": 2, "expert_parallel": 2}
+    assert two["heldout_pairwise_accuracy"]["before"] == one["heldout_pairwise_accuracy"]["before"]
+    a = [json.loads(x) for x in (tmp_path / "one" / "out" / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (tmp_path / "two" / "out" / "metrics.jsonl").read_text().splitlines()]
+    for key in ("loss", "train_pair_accuracy", "margin"):
+        assert [r[key] for r in a] == pytest.approx([r[key] for r in b], abs=1e-4), key
+    wa, wb = load_file(tmp_path / "one" / "out" / "backbone.safetensors"), \
+        load_file(tmp_path / "two" / "out" / "backbone.safetensors")
+    assert wa.keys() == wb.keys()                   # the whole backbone: every expert gathered
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa if ".experts." in k) < 1e-4
