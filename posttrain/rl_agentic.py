@@ -65,7 +65,7 @@ from rl.staleness import admit, filter_groups
 from rl.trainer import GateCheck, OptimConfig
 from rl.update import UpdateParams, assign_advantages, mismatch_trend, update
 from rl.wire import sample_from_dict, sample_to_dict
-from training import metrics
+from training import checkpoint, metrics
 
 log = logging.getLogger("glmforge")
 BUFFER = "buffer.json"
@@ -154,6 +154,9 @@ class RLAgenticConfig(BaseModel):
         if self.rollout.backend == "vllm" and self.parallel.launch.world_size > 1:
             raise ValueError("rl-agentic on vLLM trains on one rank (its trainer ranks would each need the servers' "
                              "weight updates coordinated: not built)")
+        if self.rollout.backend == "native_server" and self.synchronous and self.parallel.launch.world_size > 1:
+            raise ValueError("rl-agentic: synchronous=true generates in rank 0's process; on rollout servers with "
+                             "several trainer ranks use the asynchronous workers (synchronous=false)")
         return self
 
     @model_validator(mode="after")
@@ -276,19 +279,28 @@ def _train(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workdir, rank
            engines: contextlib.ExitStack) -> dict[str, Any] | None:
     seed = workdir.seed
     lead = ranks.rank == 0
+    served = cfg.rollout.backend == "native_server"
     tokenizer = load_tokenizer(inputs["tokenize"])
     model = trainer.load_policy(inputs["rl-reasoning"], "rl-reasoning", tokenizer, seed, cfg.threads)
+    ckpt_root = workdir.checkpoint / trainer.CHECKPOINTS
+    gates_before = None
+    if checkpoint.select_resume(ckpt_root) is None and lead:     # the whole model, before any sharding
+        gates_before = trainer.measure_gates(model, tokenizer, cfg.gates, seed, (inputs["rl-reasoning"], "rl-reasoning"))
+    if cfg.parallel.expert_parallel > 1 and ranks.world > 1:
+        from training import expert_parallel
+
+        ranks = Ranks(ranks.rank, ranks.world, expert_parallel.setup(model, cfg.parallel.expert_parallel))
     pad_id = tokenizer.token_to_id("<|pad|>")
     stop_ids = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
     prompts = Prompts(cfg, seed)
     heldout = [t for e in prompts.weights for t in tasks_for(e, "heldout", cfg.heldout, seed)]
     gen = torch.Generator().manual_seed(seed)
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
-    engine = engines.enter_context(open_engine(cfg.rollout, model, tokenizer, stop_ids, pad_id,
-                                               workdir.checkpoint / f"engine-rank{ranks.rank}", int4=cfg.rollout_int4,
-                                               batch_size=cfg.rollout_batch))
+    engine_root = workdir.checkpoint / ("engine" if served else f"engine-rank{ranks.rank}")
+    engine = engines.enter_context(open_engine(cfg.rollout, model, tokenizer, stop_ids, pad_id, engine_root,
+                                               int4=cfg.rollout_int4, batch_size=cfg.rollout_batch, ranks=ranks))
     on_vllm = cfg.rollout.backend == "vllm"
-    ckpt_root, log_path = workdir.checkpoint / trainer.CHECKPOINTS, workdir.checkpoint / "metrics.jsonl"
+    log_path = workdir.checkpoint / "metrics.jsonl"
     weights_dir = workdir.checkpoint / "weights"
     B = cfg.prompts_per_step * cfg.group_size
 
@@ -304,22 +316,23 @@ def _train(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workdir, rank
             log.info("rl-agentic: %d groups buffered, %d re-submitted", len(buffer), len(state["inflight"]))
     else:
         state = {"step": 0, "version": 0, "next_group": 0, "submitted": 0, "inflight": []}
+        if served or lead:
+            engine.sync(model, 0)                   # with servers a collective: every rank publishes its part
         if lead:
-            engine.sync(model, 0)
-            state.update(before=evaluate(engine, tokenizer, cfg, heldout, seed),
-                         gates_before=trainer.measure_gates(model, tokenizer, cfg.gates, seed,
-                                                             (inputs["rl-reasoning"], "rl-reasoning")))
+            state.update(before=evaluate(engine, tokenizer, cfg, heldout, seed), gates_before=gates_before)
 
     pool = None
     if not cfg.synchronous and lead:
-        pool = WorkerPool(cfg.workers, worker_config(cfg, inputs, seed, [s.url for s in engine.servers] if on_vllm else None), weights_dir,
+        urls = [s.url for s in engine.servers] if on_vllm or served else None
+        pool = WorkerPool(cfg.workers, worker_config(cfg, inputs, seed, urls), weights_dir,
                           heartbeat_s=cfg.heartbeat_s, dead_after_s=cfg.dead_after_s)
         pool.start()
 
     def publish_version() -> dict[str, Any]:
         """The current version to the workers: from this process, or every rank its share; on vLLM
-        to the servers the workers send their turns to."""
-        if on_vllm:
+        or the native servers to the servers the workers send their turns to (a collective there:
+        every rank publishes its part)."""
+        if on_vllm or served:
             engine.sync(model, state["version"])
             return engine.metrics()
         if ranks.world == 1:
@@ -405,13 +418,17 @@ def _train(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workdir, rank
     finally:
         if pool is not None:
             pool.close()
+    if served or lead:
+        engine.sync(model, state["version"])
+    model = trainer.whole_model(model, ranks)      # a collective with expert parallelism
     if not lead:
         return None
-    engine.sync(model, state["version"])
     after = evaluate(engine, tokenizer, cfg, heldout, seed)
     records = metrics.read(log_path)
     result = summary(records, state["before"], after)
     result["trainer_ranks"] = ranks.world
+    result["placement"] = {"trainer_ranks": ranks.world, "expert_parallel": cfg.parallel.expert_parallel,
+                           "rollout": cfg.rollout.backend}
     result["reward_recheck"] = reward_audit.summary(records, cfg.recheck_alert)
     gate = GateCheck(cfg.gates, state["gates_before"], trainer.measure_gates(model, tokenizer, cfg.gates, seed),
                      "rl-reasoning", gates.read_chain(inputs.get("rl-reasoning")), seed)
@@ -421,15 +438,19 @@ def _train(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workdir, rank
 
 
 def worker_config(cfg: RLAgenticConfig, inputs: dict[str, Path], seed: int,
-                  vllm_urls: list[str] | None = None) -> dict[str, Any]:
-    """What a rollout worker needs; vllm_urls: the stage's vLLM servers, which the workers call
-    instead of holding weights of their own."""
-    vllm = None if vllm_urls is None else {"urls": vllm_urls, "config": cfg.rollout.vllm.model_dump()}
+                  server_urls: list[str] | None = None) -> dict[str, Any]:
+    """What a rollout worker needs; server_urls: the stage's vLLM or native servers, which the
+    workers call instead of holding weights of their own."""
+    vllm = served = None
+    if server_urls is not None and cfg.rollout.backend == "vllm":
+        vllm = {"urls": server_urls, "config": cfg.rollout.vllm.model_dump()}
+    elif server_urls is not None:
+        served = {"urls": server_urls, "config": cfg.rollout.native_server.model_dump()}
     return {"tokenizer": str(inputs["tokenize"]), "seed": seed, "max_turns": cfg.max_turns,
             "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens},
             "int4": cfg.rollout_int4.model_dump() if cfg.rollout_int4 else None, "batch_size": cfg.rollout_batch,
             "env_args": cfg.env_args, "threads": 1, "context": cfg.context.model_dump() if cfg.context else None,
-            "vllm": vllm}
+            "vllm": vllm, "served": served}
 
 
 def summary(records: list[dict[str, Any]], before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:

@@ -134,7 +134,7 @@ class ParallelConfig(BaseModel):
 
 # the RL stages whose trainer can run beside rollout servers (the others generate, judge or score
 # teachers with their own copy of the model)
-SERVED_STAGES = ("rl-reasoning", "rl-general", "distill")
+SERVED_STAGES = ("rl-reasoning", "rl-agentic", "rl-general", "distill")
 
 
 def check_placement(stage: str, parallel: ParallelConfig, backend: str | None) -> None:

@@ -57,6 +57,11 @@ def serve(address: tuple[str, int], worker_id: str) -> None:
 
         engine = VLLMEngine.connect(cfg["vllm"]["urls"], VLLMConfig(**cfg["vllm"]["config"]), tokenizer,
                                     [tokenizer.token_to_id(t) for t in STOP_TOKENS])
+    elif cfg.get("served"):             # the stage's native servers: they take the weights
+        from rl.served import NativeServerConfig, ServedEngine
+
+        engine = ServedEngine.connect(cfg["served"]["urls"], NativeServerConfig(**cfg["served"]["config"]), tokenizer,
+                                      [tokenizer.token_to_id(t) for t in STOP_TOKENS])
     queue: list[tuple] = []
     stop = threading.Event()
 
@@ -71,7 +76,7 @@ def serve(address: tuple[str, int], worker_id: str) -> None:
 
     def load(version: int, root: str) -> None:
         nonlocal engine
-        if cfg.get("vllm"):
+        if cfg.get("vllm") or cfg.get("served"):
             return
         config_json, state, _ = weight_sync.load_version(Path(root), version)
         model = GLMModel(ModelConfig.model_validate_json(config_json))

@@ -219,6 +219,12 @@ class ServedEngine:
             self._watchdog = threading.Thread(target=self._watch, daemon=True, name="native-server-watchdog")
             self._watchdog.start()
 
+    @classmethod
+    def connect(cls, urls: list[str], cfg: NativeServerConfig, tokenizer, stop_ids: list[int]) -> "ServedEngine":
+        """A client of servers another process owns and syncs (rl-agentic's rollout workers): it
+        generates; versions come from the servers' labels."""
+        return cls(None, tokenizer, stop_ids, 0, cfg.model_copy(update={"urls": list(urls)}), Path("."))
+
     # ------------------------------------------------------------ life
     def close(self) -> None:
         self._closed.set()
@@ -296,7 +302,10 @@ class ServedEngine:
         edp_rank = ranks.ep.edp_rank if ranks.ep is not None else 0
         part = {k: v.detach().to("cpu").clone()
                 for k, v in weight_sync.rank_part(policy, ranks.rank, ranks.world, shards, edp_rank).items()}
-        whole = not self.cfg.delta or self._base is None or self._syncs % self.cfg.full_every == 0
+        # a version published again under its own number (weights trained between two syncs of one
+        # version) is written whole: a delta names an earlier version as its base
+        whole = (not self.cfg.delta or self._base is None or self._base[0] >= version
+                 or self._syncs % self.cfg.full_every == 0)
         if lead:       # what a killed attempt left of this version is not part of it
             shutil.rmtree(weight_sync.version_dir(self.weights, version), ignore_errors=True)
         ranks.barrier()

@@ -119,6 +119,8 @@ def publish(root: Path, version: int, tensors: Mapping[str, torch.Tensor], *, ra
     out = version_dir(root, version)
     out.mkdir(parents=True, exist_ok=True)
     if base is not None:
+        if base[0] >= version:
+            raise ValueError(f"rank {rank}: version {version} cannot be a delta on version {base[0]} (not earlier)")
         _check_base(tensors, base[1], rank)
     buckets: list[dict] = []
     current: dict[str, torch.Tensor] = {}
@@ -205,6 +207,9 @@ def chain(root: Path, version: int) -> list[int]:
     """The versions a reader needs to rebuild `version`: back to the full one, oldest first."""
     out = [version]
     while (b := base_of(root, out[-1])) is not None:
+        if b >= out[-1]:
+            raise CorruptBucket(f"policy version {out[-1]} names version {b} as its base: a delta applies to an "
+                                "earlier version")
         out.append(b)
     return out[::-1]
 

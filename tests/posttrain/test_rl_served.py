@@ -248,3 +248,24 @@ def test_reward_model_with_its_experts_sharded_equals_one_process(tmp_path):
         load_file(tmp_path / "two" / "out" / "backbone.safetensors")
     assert wa.keys() == wb.keys()                   # the whole backbone: every expert gathered
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa if ".experts." in k) < 1e-4
+
+
+def test_rl_agentic_workers_on_served_rollouts_with_sharded_experts_match_one_process(tmp_path):
+    """tau 0, K 1, one worker: the asynchronous stage, its worker sending every turn to the native
+    servers and the policy expert-sharded over 2 trainer ranks, reproduces the synchronous run in
+    one process on the same servers (every rank publishes its part of each version; a version
+    the servers loaded wrongly would change the episodes that follow)."""
+    from posttrain.rl_agentic import run_rl_agentic
+    from tests.posttrain._chain import artifacts, make_tokenizer
+    from tests.posttrain.test_rl_agentic import _cfg as agentic_cfg
+
+    chain = artifacts(tmp_path / "in", make_tokenizer(), {"rl-reasoning": 0})
+    run_rl_agentic(agentic_cfg(synchronous=True, rollout=SERVED), chain, Workdir.at(tmp_path / "sync", seed=5))
+    m = run_rl_agentic(agentic_cfg(parallel=PLACED, rollout=SERVED), chain, Workdir.at(tmp_path / "placed", seed=5))
+    assert m["placement"] == {"trainer_ranks": 2, "expert_parallel": 2, "rollout": "native_server"}
+    a, b = _records(tmp_path / "sync"), _records(tmp_path / "placed")
+    assert [r["groups"] for r in a] == [r["groups"] for r in b] == [[0, 1], [2, 3], [4, 5]]
+    assert [r["reward"] for r in a] == [r["reward"] for r in b]
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-3, abs=1e-4)
+    assert all(r["sync/bytes"] > 0 for r in b)
+    assert not _descendants(b"rl.native_server") and not _descendants(b"rl.rollout_worker")

@@ -171,3 +171,10 @@ def test_prune_keeps_the_chain_a_delta_needs(tmp_path):
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
     with pytest.raises(ValueError, match="differ in"):
         weight_sync.publish(tmp_path, 5, {"x": torch.zeros(1)}, base=(4, {"y": torch.zeros(1)}))
+
+
+def test_a_delta_must_name_an_earlier_version(tmp_path):
+    t = {"x": torch.zeros(2)}
+    weight_sync.publish(tmp_path, 3, t)
+    with pytest.raises(ValueError, match="cannot be a delta on version 3"):
+        weight_sync.publish(tmp_path, 3, t, base=(3, t))
