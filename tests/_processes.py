@@ -31,3 +31,21 @@ def session_members(sid: int) -> list[int]:
         if f[2] != "Z" and int(f[5]) == sid:
             out.append(pid)
     return out
+
+
+def descendants_running(module: bytes) -> list[int]:
+    """This process's descendants whose command line runs `module` (`python -m MODULE ...`), not
+    counting the launchers and guards that carry it as an argument (training.spawn, server_guard)."""
+    import os
+
+    from glmforge.shutdown import descendants
+
+    found = []
+    for pid in descendants(os.getpid()):
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if module in argv and b"training.spawn" not in argv and not any(a.endswith(b"server_guard.py") for a in argv):
+            found.append(pid)
+    return sorted(found)

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from glmforge import shutdown
 from glmforge.stage import Workdir
 from posttrain.rl_reasoning import run_rl_reasoning
+from tests._processes import descendants_running
 from tests.posttrain.test_rl_reasoning import _cfg, inputs  # noqa: F401 (fixture)
 from training import checkpoint
 from training.launch import TrainingFailed
@@ -41,15 +42,7 @@ def _same(a, b) -> bool:
 
 
 def _rank_pids() -> list[int]:
-    found = []
-    for pid in shutdown.descendants(os.getpid()):
-        try:
-            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if b"rl.launch" in argv and b"training.spawn" not in argv:
-            found.append(pid)
-    return sorted(found)
+    return descendants_running(b"rl.launch")
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,11 @@ from safetensors.torch import load_file
 from glmforge import shutdown
 from glmforge.stage import Workdir
 from posttrain.rl_reasoning import run_rl_reasoning
+from tests._processes import descendants_running
 from tests.posttrain.test_rl_reasoning import _cfg, inputs  # noqa: F401 (fixture)
 from training import checkpoint
 from training.launch import TrainingFailed
 
-pytestmark = pytest.mark.slow
 PLACED = {"launch": {"nproc_per_node": 2}, "expert_parallel": 2}
 SERVED = {"backend": "native_server", "native_server": {"replicas": 2, "full_every": 2}}
 
@@ -34,21 +34,26 @@ def _weights(root):
     return load_file(root / "out" / "consolidated.safetensors")
 
 
+def _stopped_by_sigterm_after_step_1(run) -> None:
+    """`run(progress)` gets SIGTERM once its step 1 is reported: Preempted after a checkpoint, and
+    no trainer rank or server left."""
+    def sigterm_at_1(done, total, desc):
+        if done == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    shutdown.reset()
+    try:
+        # the ranks may be in step 2 by the time step 1's line reaches the stage: they finish it
+        with pytest.raises(shutdown.Preempted, match=r"checkpoint at step [12] of 3"):
+            run(sigterm_at_1)
+    finally:
+        shutdown.reset()
+    assert not descendants_running(b"rl.launch") and not descendants_running(b"rl.native_server")
+
+
 def _records(root):
     return [{k: v for k, v in json.loads(x).items() if not k.startswith(("time/", "sync/seconds"))}
             for x in (root / "out" / "metrics.jsonl").read_text().splitlines()]
-
-
-def _descendants(word: bytes) -> list[int]:
-    found = []
-    for pid in shutdown.descendants(os.getpid()):
-        try:
-            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if word in argv and b"training.spawn" not in argv and not any(a.endswith(b"server_guard.py") for a in argv):
-            found.append(pid)
-    return sorted(found)
 
 
 @pytest.fixture(scope="module")
@@ -83,14 +88,14 @@ def test_ranks_that_only_train_match_one_process_on_the_same_servers(inputs, pla
 def test_kill_9_of_a_trainer_rank_then_resume_is_bit_identical(inputs, placed, tmp_path):  # noqa: F811
     def kill_rank_1_after_step_2(done, total, desc):
         if done == 2:
-            pids = _descendants(b"rl.launch")
+            pids = descendants_running(b"rl.launch")
             assert len(pids) == 2, pids
             os.kill(pids[1], signal.SIGKILL)
 
     with pytest.raises(TrainingFailed, match="failed"):
         run_rl_reasoning(_cfg_served(), inputs, Workdir.at(tmp_path, seed=3, progress=kill_rank_1_after_step_2))
     assert checkpoint.select_resume(tmp_path / "checkpoint" / "ckpt")[1]["step"] in (1, 2)
-    assert not _descendants(b"rl.launch") and not _descendants(b"rl.native_server")
+    assert not descendants_running(b"rl.launch") and not descendants_running(b"rl.native_server")
     run_rl_reasoning(_cfg_served(), inputs, Workdir.at(tmp_path, seed=3))
     a, b = _weights(placed[0]), _weights(tmp_path)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -100,7 +105,7 @@ def test_kill_9_of_a_trainer_rank_then_resume_is_bit_identical(inputs, placed, t
 def test_a_killed_server_replica_is_replaced_and_the_stage_finishes(inputs, placed, tmp_path):  # noqa: F811
     def kill_a_server_after_step_1(done, total, desc):
         if done == 1:
-            pids = _descendants(b"rl.native_server")
+            pids = descendants_running(b"rl.native_server")
             assert len(pids) == 2, pids
             os.kill(pids[0], signal.SIGKILL)
 
@@ -112,17 +117,8 @@ def test_a_killed_server_replica_is_replaced_and_the_stage_finishes(inputs, plac
 
 
 def test_sigterm_checkpoints_and_leaves_no_rank_or_server(inputs, tmp_path):  # noqa: F811
-    def sigterm_at_1(done, total, desc):
-        if done == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    shutdown.reset()
-    try:
-        with pytest.raises(shutdown.Preempted, match=r"checkpoint at step [12] of 3"):
-            run_rl_reasoning(_cfg_served(), inputs, Workdir.at(tmp_path, seed=3, progress=sigterm_at_1))
-    finally:
-        shutdown.reset()
-    assert not _descendants(b"rl.launch") and not _descendants(b"rl.native_server")
+    _stopped_by_sigterm_after_step_1(
+        lambda progress: run_rl_reasoning(_cfg_served(), inputs, Workdir.at(tmp_path, seed=3, progress=progress)))
 
 
 def test_a_placement_that_cannot_run_is_refused_before_anything_starts(inputs, tmp_path):  # noqa: F811
@@ -173,17 +169,8 @@ def test_distill_on_ranks_that_only_train_with_served_teachers_matches_one_proce
         assert [r[key] for r in a] == pytest.approx([r[key] for r in b], rel=3e-2, abs=1e-4), key
     assert one["steps"] == m["steps"] == 3
 
-    def sigterm_at_1(done, total, desc):
-        if done == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    shutdown.reset()
-    try:
-        with pytest.raises(shutdown.Preempted, match=r"checkpoint at step [12] of 3"):
-            run_distill(cfg(PLACED), chain, Workdir.at(tmp_path / "stopped", seed=0, progress=sigterm_at_1))
-    finally:
-        shutdown.reset()
-    assert not _descendants(b"rl.launch") and not _descendants(b"rl.native_server")
+    _stopped_by_sigterm_after_step_1(
+        lambda progress: run_distill(cfg(PLACED), chain, Workdir.at(tmp_path / "stopped", seed=0, progress=progress)))
     run_distill(cfg(PLACED), chain, Workdir.at(tmp_path / "stopped", seed=0))
     x, y = _weights(tmp_path / "placed"), _weights(tmp_path / "stopped")
     assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
@@ -268,4 +255,4 @@ def test_rl_agentic_workers_on_served_rollouts_with_sharded_experts_match_one_pr
     assert [r["reward"] for r in a] == [r["reward"] for r in b]
     assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-3, abs=1e-4)
     assert all(r["sync/bytes"] > 0 for r in b)
-    assert not _descendants(b"rl.native_server") and not _descendants(b"rl.rollout_worker")
+    assert not descendants_running(b"rl.native_server") and not descendants_running(b"rl.rollout_worker")

@@ -23,7 +23,6 @@ from rl.update import recompute_old_logprobs
 from rl.vllm_server import EngineFailed
 from tests.rl.conftest import small_model
 
-pytestmark = pytest.mark.slow
 
 
 def _samples(tokenizer, n_prompts=3, group=4):
