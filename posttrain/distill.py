@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from chat.template import STOP_TOKENS
 from data_processing.tokenizer import load_tokenizer
@@ -49,7 +49,7 @@ from quant.qat import QATConfig, prepare_qat, ptq_int4, remove_qat, save_int4
 from rl import gates, trainer
 from rl.algorithms import PolicyLossName
 from rl.gates import EVALS, GateConfig
-from rl.ranks import check_placement, SINGLE, ParallelConfig, Ranks
+from rl.ranks import SINGLE, ParallelConfig, Ranks, check_placement
 from rl.rollout import RolloutConfig, RolloutEngine, SamplingParams, open_engine, prompt_ids
 from rl.sample import Sample, Status
 from rl.served import NativeServerConfig, ServedEngine

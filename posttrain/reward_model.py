@@ -49,7 +49,7 @@ from glmforge.stage import Workdir
 from rl import trainer
 from rl.algorithms import PREFERENCE_LOSSES, PreferenceLossName
 from rl.orm import RewardModel, load_reward_model, save_reward_model  # noqa: F401 (the stage's model)
-from rl.ranks import check_placement, SINGLE, ParallelConfig, Ranks
+from rl.ranks import SINGLE, ParallelConfig, Ranks, check_placement
 from rl.trainer import OptimConfig
 from model.model import GLMModel
 from training import checkpoint, metrics

@@ -57,7 +57,7 @@ from rl.algorithms import AdvantageName, PolicyLossName
 from rl.envs import ENVIRONMENTS, make_env, tasks_for
 from rl.gates import GateConfig
 from rl.orchestrator import WorkerPool
-from rl.ranks import check_placement, SINGLE, ParallelConfig, Ranks, is_engine
+from rl.ranks import SINGLE, ParallelConfig, Ranks, check_placement, is_engine
 from rl.rollout import RolloutConfig, RolloutEngine, SamplingParams, open_engine
 from rl.sample import Sample
 from rl.sandbox import require_isolation

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from chat.template import STOP_TOKENS
 from data_processing.tokenizer import load_tokenizer
@@ -64,7 +64,7 @@ from rl.judges import (
     rule_reward,
     valid_tool_call,
 )
-from rl.ranks import check_placement, SINGLE, ParallelConfig, Ranks
+from rl.ranks import SINGLE, ParallelConfig, Ranks, check_placement
 from rl.rewards import REWARDS
 from rl.rollout import RolloutConfig, RolloutEngine, SamplingParams, open_engine, prompt_ids
 from rl.sample import Sample, Status

@@ -48,7 +48,7 @@ from quant.qat import QATConfig
 from rl import gates, reward_audit, trainer
 from rl.algorithms import AdvantageName, PolicyLossName
 from rl.gates import GateConfig
-from rl.ranks import check_placement, SINGLE, ParallelConfig, Ranks
+from rl.ranks import SINGLE, ParallelConfig, Ranks, check_placement
 from rl.rewards import RewardWorker
 from rl.rollout import RolloutConfig, RolloutEngine, SamplingParams, open_engine, prompt_ids
 from rl.sample import Sample, Status

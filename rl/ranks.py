@@ -132,23 +132,14 @@ class ParallelConfig(BaseModel):
         return self
 
 
-# the RL stages whose trainer can run beside rollout servers (the others generate, judge or score
-# teachers with their own copy of the model)
-SERVED_STAGES = ("rl-reasoning", "rl-agentic", "rl-general", "distill")
-
-
 def check_placement(stage: str, parallel: ParallelConfig, backend: str | None) -> None:
-    """Refuse, before anything starts, a placement the stage cannot run: expert parallelism on
-    ranks that would have to generate, or rollout servers where the stage does not use them yet.
+    """Refuse, before anything starts, expert parallelism on ranks that would have to generate:
+    with the experts sharded the stage's rollouts (and judges, teachers) must be served.
     backend None: the stage generates nothing (the reward model), so its ranks only train anyway."""
-    served = stage in SERVED_STAGES
-    if backend == "native_server" and not served:
-        raise ValueError(f"{stage}: rollout.backend=native_server is not supported yet (only {', '.join(SERVED_STAGES)}"
-                         f"); use native or vllm")
     if parallel.expert_parallel > 1 and backend not in ("native_server", None):
         raise ValueError(f"{stage}: parallel.expert_parallel={parallel.expert_parallel} needs "
                          f"rollout.backend=native_server: with the experts sharded no trainer rank holds a whole "
-                         f"model to generate with" + ("" if served else f" (not supported yet in {stage})"))
+                         f"model to generate with")
 
 
 def is_engine(optimizer: Any) -> bool:

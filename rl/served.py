@@ -15,7 +15,7 @@ version every `full_every` syncs); then rank 0 has every server load the version
 on the version the server holds) and compares each server's checksums of what it now holds with
 the ranks' manifests: a server holding anything else stops the stage, naming the server and the
 tensor. Bytes written (and what the same versions would have cost whole) and seconds go into
-`metrics()`.
+`metrics()`. To write a delta a rank keeps a CPU copy of the part it published last.
 
 Requests: a prompt group is one request (`n` samples, one seed drawn in order from the rank's
 sampling generator), routed to a server by a consistent hash of its group, so a resumed stage
@@ -98,7 +98,7 @@ def expert_shards(model: torch.nn.Module) -> dict[str, weight_sync.Shard]:
 def _server_env() -> dict[str, str]:
     keep = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "USER", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
     env = {k: os.environ[k] for k in keep if k in os.environ}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="0")
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     return env
 
 
