@@ -70,15 +70,19 @@ def test_ranks_that_only_train_match_one_process_on_the_same_servers(inputs, pla
         assert [r[key] for r in a] == pytest.approx([r[key] for r in b], rel=1e-3, abs=1e-4), key
 
 
-def test_kill_9_of_a_trainer_rank_then_resume_is_bit_identical(inputs, placed, tmp_path):  # noqa: F811
-    def kill_rank_1_after_step_2(done, total, desc):
-        if done == 2:
-            pids = descendants_running(b"rl.launch")
+def _kill_9_after(step: int, module: bytes, which: int):
+    """A progress callback: after `step`, SIGKILL the `which`-th of the two processes running `module`."""
+    def progress(done, total, desc):
+        if done == step:
+            pids = descendants_running(module)
             assert len(pids) == 2, pids
-            os.kill(pids[1], signal.SIGKILL)
+            os.kill(pids[which], signal.SIGKILL)
+    return progress
 
+
+def test_kill_9_of_a_trainer_rank_then_resume_is_bit_identical(inputs, placed, tmp_path):  # noqa: F811
     with pytest.raises(TrainingFailed, match="failed"):
-        run_rl_reasoning(_cfg_served(), inputs, Workdir.at(tmp_path, seed=3, progress=kill_rank_1_after_step_2))
+        run_rl_reasoning(_cfg_served(), inputs, Workdir.at(tmp_path, seed=3, progress=_kill_9_after(2, b"rl.launch", 1)))
     assert checkpoint.select_resume(tmp_path / "checkpoint" / "ckpt")[1]["step"] in (1, 2)
     assert not descendants_running(b"rl.launch") and not descendants_running(b"rl.native_server")
     run_rl_reasoning(_cfg_served(), inputs, Workdir.at(tmp_path, seed=3))
@@ -88,13 +92,8 @@ def test_kill_9_of_a_trainer_rank_then_resume_is_bit_identical(inputs, placed, t
 
 
 def test_a_killed_server_replica_is_replaced_and_the_stage_finishes(inputs, placed, tmp_path):  # noqa: F811
-    def kill_a_server_after_step_1(done, total, desc):
-        if done == 1:
-            pids = descendants_running(b"rl.native_server")
-            assert len(pids) == 2, pids
-            os.kill(pids[0], signal.SIGKILL)
-
-    m = run_rl_reasoning(_cfg_served(), inputs, Workdir.at(tmp_path, seed=3, progress=kill_a_server_after_step_1))
+    m = run_rl_reasoning(_cfg_served(), inputs,
+                         Workdir.at(tmp_path, seed=3, progress=_kill_9_after(1, b"rl.native_server", 0)))
     assert m["weight_sync"]["server_restarts"] >= 1
     # the replacement took the current version: the run is the uninterrupted one
     a, b = _weights(placed[0]), _weights(tmp_path)
