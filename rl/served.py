@@ -170,8 +170,9 @@ class Server:
 
 class ServedEngine:
     """A pool of native servers: the policy's rollouts (`sync` each version, `generate`,
-    `complete`), or a fixed model served from its state file (`serve_file`: a distillation
-    teacher, scored with `prefill_logprobs`)."""
+    `complete`), or a fixed model (`serve_file`: a distillation teacher scored with
+    `prefill_logprobs`, a GRM judging with `complete` / `next_token_logprobs`; `serve_orm`: the
+    ORM, `score_ids`)."""
 
     def __init__(self, policy: GLMModel | None, tokenizer, stop_ids: list[int], pad_id: int, cfg: NativeServerConfig,
                  root: Path, *, int4: QATConfig | None = None, ranks: Ranks = SINGLE):
@@ -203,6 +204,8 @@ class ServedEngine:
             except BaseException as e:
                 for s in servers:
                     s.stop()
+                if not isinstance(e, Exception):      # a stop signal: the stage stops, not a bad server
+                    raise
                 error = str(e)
         urls_on_lead = ranks.broadcast([s.url for s in servers] if lead else None)
         error = ranks.broadcast(error)
