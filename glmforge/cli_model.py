@@ -107,6 +107,46 @@ def _plan_defaults(preset: str) -> dict:
     return dict((yaml.safe_load(path.read_text()) or {}).get("plan") or {})
 
 
+def _rl_stage_pools(preset: str, cfg, plan) -> dict:
+    """model.info.rl_pools for every RL-side stage of the preset's config, as it places them
+    (its `parallel:` and `rollout:` sections); {} for a preset without a config file."""
+    from glmforge.config import CONFIGS_DIR, load_config
+    from model.info import rl_pools
+
+    if not (CONFIGS_DIR / f"{preset}.yaml").is_file():
+        return {}
+    config = load_config(preset)
+    out = {}
+    for stage in ("rl_reasoning", "rl_agentic", "reward_model", "rl_general", "distill"):
+        sec = getattr(config, stage, None)
+        if sec is None:
+            continue
+        par = sec.parallel
+        rollout = getattr(sec, "rollout", None)
+        servers: dict[str, int] = {}
+        if rollout is not None and rollout.backend == "native_server":
+            servers["rollouts"] = len(rollout.native_server.urls) or rollout.native_server.replicas
+            if stage == "rl_general":
+                servers.update({j: sec.judge_servers.replicas for j in ("grm", "orm") if sec.weights.get(j, 0) > 0})
+            if stage == "distill":
+                servers.update({f"teacher {t}": sec.teacher_servers.replicas for t in sec.teachers})
+        generates = rollout is not None and rollout.backend == "native"
+        held = 0                        # judges and teachers each rank loads when they are not served
+        if not servers and stage == "rl_general":
+            held = sum(sec.weights.get(j, 0) > 0 for j in ("grm", "orm"))
+        if not servers and stage == "distill":
+            held = len(sec.teachers)
+        name = stage.replace("_", "-")
+        try:
+            out[name] = rl_pools(cfg, plan, par.launch.world_size, par.zero_stage, par.expert_parallel, servers,
+                                 generates, held)
+        except ValueError as e:          # a trainer layout the model cannot take (ep vs experts)
+            out[name] = {"error": str(e)}
+        if rollout is not None and rollout.backend == "vllm":
+            out[name]["note"] = "rollouts on vLLM servers (sized by vLLM, not here)"
+    return out
+
+
 def _plan_info(preset: str, plan_text: str, given: dict, s: dict, as_json: bool) -> None:
     from dataclasses import replace
 
@@ -126,8 +166,9 @@ def _plan_info(preset: str, plan_text: str, given: dict, s: dict, as_json: bool)
     except ValueError as e:
         _fail(str(e))
     fits = r["fits_training"] and r["fits_rollout"]
+    pools = _rl_stage_pools(preset, cfg, p)
     if as_json:
-        typer.echo(json.dumps({**s, "memory_plan": r}, indent=2))
+        typer.echo(json.dumps({**s, "memory_plan": r, "rl_pools": pools}, indent=2))
     else:
         b = r["bytes"]
         typer.echo(f"preset {preset}: plan {r['plan']} = {r['world']} GPUs, ZeRO-{r['zero_stage']}, ep {r['ep']} "
@@ -157,6 +198,22 @@ def _plan_info(preset: str, plan_text: str, given: dict, s: dict, as_json: bool)
         if not r["fits_rl_training"]:
             typer.echo(f"  the RL trainer does not fit a {r['gpu_mem_gb']} GB GPU with AdamW at this layout: "
                        "use the pretraining optimizer's layout or more GPUs for the RL stages")
+        if pools:
+            typer.echo(f"  RL-side stages as configs/{preset}.yaml places them, GB per GPU (the exit status is the "
+                       "plan above's):")
+        for stage, pl in pools.items():
+            if "error" in pl:
+                typer.echo(f"    {stage:<13} {pl['error']}")
+                continue
+            t = pl["trainer"]
+            where = "the ranks generate, judge or score teachers too (whole model copies)" if t["generates"] \
+                else "ranks only train"
+            where += f"; {pl['note']}" if "note" in pl else ""
+            typer.echo(f"    {stage:<13} trainer {t['gpus']} GPUs, ZeRO-{t['zero_stage']}, ep {t['ep']}, {where}: "
+                       f"{t['bytes_per_gpu'] / GB:,.1f}{'' if t['fits'] else '  DOES NOT FIT'}")
+            for name, sv in pl["servers"].items():
+                typer.echo(f"    {'':<13} {name}: {sv['replicas']} native server replica(s), one GPU each holding the "
+                           f"whole model: {sv['bytes_per_gpu'] / GB:,.1f}{'' if sv['fits'] else '  DOES NOT FIT'}")
     if not fits:
         typer.echo(f"error: {not_fitting_message(cfg, p, r)}", err=True)
         raise typer.Exit(code=1)

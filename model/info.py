@@ -283,6 +283,35 @@ def memory_plan(cfg: ModelConfig, plan: Plan) -> dict:
     }
 
 
+def rl_pools(cfg: ModelConfig, plan: Plan, trainer_gpus: int, zero_stage: int, ep: int, servers: dict[str, int],
+             generates: bool, models_in_ranks: int = 0) -> dict:
+    """An RL stage's pools under `plan`'s per-GPU settings (sequence length, micro-batch, GPU size,
+    rollout KV tokens, link speed): the trainer's `trainer_gpus` ranks (AdamW at `zero_stage`, the
+    experts sharded over `ep`), and each server pool (name -> replicas; a native server replica
+    holds the whole model on one device: bf16 weights + the KV cache + reserve). generates: the
+    ranks roll out themselves, each with a whole copy of the model beside its training state;
+    models_in_ranks: more whole models every rank holds (judges, teachers not served)."""
+    from dataclasses import replace
+
+    r = memory_plan(cfg, replace(plan, nodes=1, gpus_per_node=trainer_gpus, zero_stage=zero_stage, ep=ep,
+                                 optimizer="adamw"))
+    total = param_counts(cfg).total_with_mtp
+    kv = kv_cache_bytes_per_token(cfg) * plan.rollout_tokens
+    reserve = plan.reserve_gb * GB
+    cap = plan.gpu_mem_gb * GB
+    trainer = r["bytes"]["rl_training_total"]
+    in_ranks = (2 * total + kv if generates else 0) + 2 * total * models_in_ranks   # engine copy, judges, teachers
+    out = {"trainer": {"gpus": trainer_gpus, "zero_stage": zero_stage, "ep": ep, "bytes_per_gpu": trainer + in_ranks,
+                       "generates": generates, "fits": trainer + in_ranks <= cap},
+           "servers": {name: {"replicas": n, "gpus_per_replica": 1, "bytes_per_gpu": 2 * total + kv + reserve,
+                              "fits": 2 * total + kv + reserve <= cap} for name, n in servers.items()}}
+    version = 2 * total                                   # one policy version in bf16
+    out["weight_sync"] = {"version_bytes": version, "send_bytes_per_trainer_gpu": version / trainer_gpus,
+                          "seconds": version / (plan.sync_gb_per_s * 1e9)}   # a server receives it whole
+    out["fits"] = out["trainer"]["fits"] and all(v["fits"] for v in out["servers"].values())
+    return out
+
+
 def plan_fixes(cfg: ModelConfig, plan: Plan) -> list[str]:
     """Single changes that make a plan that does not fit fit (each one checked with memory_plan),
     in the order a user would try them: cheaper first."""

@@ -114,3 +114,25 @@ def test_cli_prints_the_plan_and_refuses_what_does_not_fit():
     assert bad.exit_code == 2 and "choose 80 or 141" in bad.output
     js = runner.invoke(app, ["model", "info", "--preset", "glm5", "--plan", "64x8", "--ep", "128", "--json"])
     assert js.exit_code in (0, 1) and '"memory_plan"' in js.output
+
+
+def test_rl_pools_size_ranks_that_only_train_beside_servers():
+    """glm5 on the shipped plan's GPUs: its RL trainer fits a 141 GB GPU with the experts sharded
+    over 64 ranks when rollouts are served (105 GB: AdamW's two moments), not when every rank
+    also holds a whole model to generate with; a native server replica (a whole model on one GPU)
+    does not fit, and the CLI lists every RL-side stage as the preset places it."""
+    from model.info import rl_pools
+
+    plan = load_config("glm5").plan
+    cfg, p = plan.model(), plan.plan()
+    served = rl_pools(cfg, p, 1024, 2, 64, {"rollouts": 16}, generates=False)
+    assert served["trainer"]["fits"] and 100 * GB < served["trainer"]["bytes_per_gpu"] < 110 * GB
+    assert not served["servers"]["rollouts"]["fits"] and served["servers"]["rollouts"]["bytes_per_gpu"] > 1400 * GB
+    in_ranks = rl_pools(cfg, p, 1024, 2, 1, {}, generates=True, models_in_ranks=3)
+    assert not in_ranks["trainer"]["fits"]
+    assert in_ranks["trainer"]["bytes_per_gpu"] > rl_pools(cfg, p, 1024, 2, 1, {}, generates=True)["trainer"]["bytes_per_gpu"]
+    assert served["weight_sync"]["send_bytes_per_trainer_gpu"] * 1024 == served["weight_sync"]["version_bytes"]
+    out = CliRunner().invoke(app, ["model", "info", "--preset", "glm5", "--plan", "128x8"]).output
+    for stage in ("rl-reasoning", "rl-agentic", "reward-model", "rl-general", "distill"):
+        assert f"    {stage}" in out
+    assert "DOES NOT FIT" in out and "ranks only train" in out       # reward-model generates nothing
