@@ -52,7 +52,7 @@ from rl.gates import EVALS, GateConfig
 from rl.ranks import SINGLE, ParallelConfig, Ranks, check_placement
 from rl.rollout import RolloutConfig, RolloutEngine, SamplingParams, open_engine, prompt_ids
 from rl.sample import Sample, Status
-from rl.served import NativeServerConfig, ServedEngine
+from rl.served import NativeServerConfig, ServedEngine, group_seeds
 from rl.trainer import GateCheck, OptimConfig
 from rl.update import UpdateParams, collate, mismatch_trend, response_logprobs, update
 from training import checkpoint, metrics
@@ -184,8 +184,7 @@ def distill_step(engine: RolloutEngine, model: GLMModel, opt: torch.optim.Optimi
             owner.append(name)
     lo, hi = ranks.bounds(len(samples))
     if isinstance(engine, ServedEngine):      # per-sample seeds alike on any placement (group = index)
-        g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-        seeds = torch.randint(0, 2**31 - 1, (len(samples),), generator=g).tolist()
+        seeds = group_seeds(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)), len(samples))
         engine.generate(samples[lo:hi], sampling, gen, seeds={i: seeds[i] for i in range(lo, hi)})
     else:
         engine.generate(samples[lo:hi], sampling, sample_gen or gen)
@@ -268,10 +267,7 @@ def train(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir, ranks: 
             known = gates.recorded(gates.read_chain(inputs.get(n)), n, gates.spec(cfg.gates.evals, seed))
             teacher_evals[n] = known if known is not None else trainer.measure_gates(
                 teachers.get(n) or load_state(path), tokenizer, cfg.gates, seed)
-    if cfg.parallel.expert_parallel > 1 and ranks.world > 1:
-        from training import expert_parallel
-
-        ranks = Ranks(ranks.rank, ranks.world, expert_parallel.setup(model, cfg.parallel.expert_parallel))
+    ranks = ranks.with_experts_sharded(model, cfg.parallel.expert_parallel)
     if cfg.use_qat:
         prepare_qat(model, cfg.qat)      # names unchanged: checkpoints and engine syncs stay plain copies
     gen = torch.Generator().manual_seed(seed)

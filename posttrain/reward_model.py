@@ -48,7 +48,7 @@ from domains.pools import MBPP_TRAIN_IDS
 from glmforge.stage import Workdir
 from rl import trainer
 from rl.algorithms import PREFERENCE_LOSSES, PreferenceLossName
-from rl.orm import RewardModel, load_reward_model, save_reward_model  # noqa: F401 (the stage's model)
+from rl.orm import RewardModel, save_reward_model
 from rl.ranks import SINGLE, ParallelConfig, Ranks, check_placement
 from rl.trainer import OptimConfig
 from model.model import GLMModel
@@ -226,10 +226,7 @@ def train(cfg: RewardModelConfig, inputs: dict[str, Path], workdir: Workdir, ran
     root, log_path = workdir.checkpoint / trainer.CHECKPOINTS, workdir.checkpoint / "metrics.jsonl"
     fresh = checkpoint.select_resume(root) is None
     before = heldout_accuracy(rm, he_c, he_r, kinds, cfg.eval_batch) if fresh and lead else {}   # the whole model
-    if cfg.parallel.expert_parallel > 1 and ranks.world > 1:
-        from training import expert_parallel
-
-        ranks = Ranks(ranks.rank, ranks.world, expert_parallel.setup(rm, cfg.parallel.expert_parallel))
+    ranks = ranks.with_experts_sharded(rm, cfg.parallel.expert_parallel)
     policy = trainer.policy_for(rm, cfg.optim, None, ranks, cfg.parallel.zero_stage)
     opt = policy.optimizer
     resumed = trainer.load_latest(root, policy, log_path, "reward-model")
@@ -254,13 +251,7 @@ def train(cfg: RewardModelConfig, inputs: dict[str, Path], workdir: Workdir, ran
     trainer.run_steps("reward-model", policy, one_step, start=start, steps=cfg.steps, root=root, log_path=log_path,
                       workdir=workdir, checkpoint_every=cfg.checkpoint_every, keep_last=cfg.keep_last,
                       meta=lambda: {"before": before}, describe=lambda r: f"loss {r['loss']:.3f}")
-    if ranks.ep is not None:        # a collective: every expert gathered into a whole model on rank 0
-        from model.moe import gathered_state_dict
-
-        state = gathered_state_dict(rm)
-        if lead:
-            rm = RewardModel(GLMModel(backbone.config), pad_id)
-            rm.load_state_dict(state)
+    rm = trainer.whole_model(rm, ranks, lambda: RewardModel(GLMModel(backbone.config), pad_id))   # a collective
     if not lead:
         return None
     after = heldout_accuracy(rm, he_c, he_r, kinds, cfg.eval_batch)

@@ -286,10 +286,7 @@ def _train(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workdir, rank
     gates_before = None
     if checkpoint.select_resume(ckpt_root) is None and lead:     # the whole model, before any sharding
         gates_before = trainer.measure_gates(model, tokenizer, cfg.gates, seed, (inputs["rl-reasoning"], "rl-reasoning"))
-    if cfg.parallel.expert_parallel > 1 and ranks.world > 1:
-        from training import expert_parallel
-
-        ranks = Ranks(ranks.rank, ranks.world, expert_parallel.setup(model, cfg.parallel.expert_parallel))
+    ranks = ranks.with_experts_sharded(model, cfg.parallel.expert_parallel)
     pad_id = tokenizer.token_to_id("<|pad|>")
     stop_ids = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
     prompts = Prompts(cfg, seed)

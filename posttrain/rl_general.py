@@ -68,7 +68,7 @@ from rl.ranks import SINGLE, ParallelConfig, Ranks, check_placement
 from rl.rewards import REWARDS
 from rl.rollout import RolloutConfig, RolloutEngine, SamplingParams, open_engine, prompt_ids
 from rl.sample import Sample, Status
-from rl.served import NativeServerConfig, ServedEngine
+from rl.served import NativeServerConfig, ServedEngine, group_seeds
 from rl.trainer import GateCheck, OptimConfig
 from rl.update import UpdateParams, assign_advantages, mismatch_trend, update
 from training import checkpoint, metrics
@@ -258,7 +258,7 @@ def step_record(step: int, samples: list[Sample], tokenizer, comps: list[dict[st
 # ---------------------------------------------------------------- the stage
 def make_judges(cfg: RLGeneralConfig, inputs: dict[str, Path], tokenizer, stop_ids: list[int], pad_id: int
                 ) -> dict[str, Judge]:
-    from posttrain.reward_model import load_reward_model
+    from rl.orm import load_reward_model
 
     out: dict[str, Judge] = {}
     if cfg.weights.get("orm", 0) > 0:
@@ -339,10 +339,7 @@ def train(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workdir, ranks
     before = {}
     if resumed_meta is None and lead:     # before the experts are sharded: the whole model's gates
         before = trainer.measure_gates(model, tokenizer, cfg.gates, seed, (inputs["rl-agentic"], "rl-agentic"))
-    if cfg.parallel.expert_parallel > 1 and ranks.world > 1:
-        from training import expert_parallel
-
-        ranks = Ranks(ranks.rank, ranks.world, expert_parallel.setup(model, cfg.parallel.expert_parallel))
+    ranks = ranks.with_experts_sharded(model, cfg.parallel.expert_parallel)
     gen = torch.Generator().manual_seed(seed)
     sample_gen = trainer.sampling_rng(gen, seed, ranks)
     policy = trainer.policy_for(model, cfg.optim, gen, ranks, cfg.parallel.zero_stage, sample_gen)
@@ -361,8 +358,7 @@ def train(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workdir, ranks
         mine = [Sample(t, g, prompt_ids(tokenizer, t, t.meta.get("tools")))
                 for g, t in enumerate(tasks) if lo <= g < hi for _ in range(cfg.group_size)]
         if served:           # one seed per group, drawn alike on any placement
-            step_gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-            seeds = torch.randint(0, 2**31 - 1, (len(tasks),), generator=step_gen).tolist()
+            seeds = group_seeds(seed * 1_000_003 + step, len(tasks))
             engine.generate(mine, sampling, sample_gen, seeds={g: seeds[g] for g in range(lo, hi)})
         else:
             engine.generate(mine, sampling, sample_gen)

@@ -52,6 +52,7 @@ from rl.ranks import SINGLE, ParallelConfig, Ranks, check_placement
 from rl.rewards import RewardWorker
 from rl.rollout import RolloutConfig, RolloutEngine, SamplingParams, open_engine, prompt_ids
 from rl.sample import Sample, Status
+from rl.served import group_seeds
 from rl.sandbox import require_isolation
 from rl.trainer import GateCheck, OptimConfig
 from rl.update import UpdateParams, assign_advantages, mismatch_trend, update
@@ -254,10 +255,7 @@ def train(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir,
     lead = ranks.rank == 0
     tokenizer = load_tokenizer(inputs["tokenize"])
     model = trainer.load_policy(inputs["sft"], "sft", tokenizer, seed, cfg.threads)
-    if cfg.parallel.expert_parallel > 1 and ranks.world > 1:
-        from training import expert_parallel
-
-        ranks = Ranks(ranks.rank, ranks.world, expert_parallel.setup(model, cfg.parallel.expert_parallel))
+    ranks = ranks.with_experts_sharded(model, cfg.parallel.expert_parallel)
     stop_ids = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
     pad_id = tokenizer.token_to_id("<|pad|>")
     pools = load_pools(cfg.domains, gsm8k_path=cfg.gsm8k_path, gsm8k_skip=cfg.gsm8k_skip, mbpp_path=cfg.mbpp_path)
@@ -286,8 +284,7 @@ def train(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir,
             mine = [Sample(t, g, prompt_ids(tokenizer, t)) for g, t in enumerate(tasks) if lo <= g < hi
                     for _ in range(cfg.group_size)]
             if served:       # one seed per group, drawn alike on any placement: rank count changes nothing
-                step_gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-                seeds = torch.randint(0, 2**31 - 1, (len(tasks),), generator=step_gen).tolist()
+                seeds = group_seeds(seed * 1_000_003 + step, len(tasks))
                 engine.generate(mine, sampling, sample_gen, seeds={g: seeds[g] for g in range(lo, hi)})
             else:
                 engine.generate(mine, sampling, sample_gen)

@@ -50,6 +50,16 @@ class Ranks:
             return cls(ep=ep)
         return cls(dist.get_rank(), dist.get_world_size(), ep)
 
+    def with_experts_sharded(self, model: nn.Module, size: int) -> "Ranks":
+        """These ranks with `model`'s experts sharded over groups of `size` ranks
+        (training.expert_parallel.setup: call on every rank before the engine is built); the same
+        ranks for size 1 or a single rank."""
+        if size == 1 or self.world == 1:
+            return self
+        from training import expert_parallel
+
+        return Ranks(self.rank, self.world, expert_parallel.setup(model, size))
+
     def bounds(self, n: int) -> tuple[int, int]:
         """[lo, hi) of this rank's contiguous share of n items (sizes differ by at most 1)."""
         base, extra = divmod(n, self.world)

@@ -85,6 +85,12 @@ class NativeServerConfig(BaseModel):
     request_timeout_s: float = Field(600.0, gt=0)
 
 
+def group_seeds(key: int, n: int) -> list[int]:
+    """n request seeds drawn from a generator seeded with `key` (a stage's (seed, step)): every
+    rank draws the same list and sends its share, so the requests do not depend on the placement."""
+    return torch.randint(0, 2**31 - 1, (n,), generator=torch.Generator().manual_seed(key)).tolist()
+
+
 def expert_shards(model: torch.nn.Module) -> dict[str, weight_sync.Shard]:
     """The state-dict names of this rank's expert shards (expert parallelism: model.moe.shard_experts)."""
     out = {}
@@ -411,10 +417,7 @@ class ServedEngine:
             return self._send(server, {"items": [[list(ids), start] for ids, start in chunks[k]]},
                               "/score")["scores"]
 
-        if not chunks:
-            return torch.zeros(0)
-        with ThreadPoolExecutor(min(16, len(chunks))) as pool:
-            return torch.tensor([x for part in pool.map(one, range(len(chunks))) for x in part])
+        return torch.tensor([x for part in self._map(one, list(range(len(chunks))), 16) for x in part])
 
     def next_token_logprobs(self, prefixes: list[list[int]]) -> torch.Tensor:
         """log p(next token | prefix) over the whole vocabulary for each prefix [N, vocab]: the
@@ -425,8 +428,7 @@ class ServedEngine:
                 "n": 1, "max_tokens": 1, "temperature": 1.0, "logprobs": -1}})
             return out["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
 
-        with ThreadPoolExecutor(min(64, max(len(prefixes), 1))) as pool:
-            rows = list(pool.map(one, range(len(prefixes))))
+        rows = self._map(one, list(range(len(prefixes))))
         vocab = max((len(r) for r in rows), default=0)
         out = torch.full((len(prefixes), vocab), float("-inf"))
         for i, row in enumerate(rows):
@@ -448,10 +450,7 @@ class ServedEngine:
             rows = out["prompt_logprobs"][len(prompt):]
             return [row[str(t)]["logprob"] for row, t in zip(rows, response)]    # JSON keys: strings
 
-        if not sequences:
-            return []
-        with ThreadPoolExecutor(min(64, len(sequences))) as pool:
-            return list(pool.map(one, sequences, keys))
+        return self._map(lambda i: one(sequences[i], keys[i]), list(range(len(sequences))))
 
     # ------------------------------------------------------------ sampling
     def generate(self, samples: list[Sample], params: SamplingParams, generator: torch.Generator,
@@ -482,6 +481,14 @@ class ServedEngine:
         return [c[0] for c in self._run([(p, 1, k, s) for p, k, s in zip(prefixes, keys, seeds)], params)]
 
     @staticmethod
+    def _map(fn, items: list, most: int = 64) -> list:
+        """fn over items in threads (HTTP requests in flight at once), results in order."""
+        if not items:
+            return []
+        with ThreadPoolExecutor(min(most, len(items))) as pool:
+            return list(pool.map(fn, items))
+
+    @staticmethod
     def _seeds(n: int, params: SamplingParams, generator: torch.Generator) -> list[int]:
         # one seed per request, drawn in order: the same requests after a resume
         if params.temperature == 0:
@@ -490,10 +497,7 @@ class ServedEngine:
 
     def _run(self, jobs: list[tuple[list[int], int, str, int]], params: SamplingParams
              ) -> list[list[tuple[list[int], list[float], bool, list[int]]]]:
-        if not jobs:
-            return []
-        with ThreadPoolExecutor(min(64, len(jobs))) as pool:
-            return list(pool.map(lambda j: self._one(*j, params), jobs))
+        return self._map(lambda j: self._one(*j, params), jobs)
 
     def _one(self, prompt: list[int], n: int, key: str, seed: int, params: SamplingParams
              ) -> list[tuple[list[int], list[float], bool, list[int]]]:

@@ -183,10 +183,12 @@ def policy_for(model: torch.nn.Module, optim: OptimConfig, rng: torch.Generator 
     return Policy(model, build_engine(model, optim, zero_stage, ep), rng, texts, ranks=ranks, rank_rng=rank_rng)
 
 
-def whole_model(model: GLMModel, ranks: Ranks = SINGLE) -> GLMModel | None:
+def whole_model(model: torch.nn.Module, ranks: Ranks = SINGLE,
+                build: Optional[Callable[[], torch.nn.Module]] = None) -> torch.nn.Module | None:
     """The whole model for what needs every expert in one place (greedy gates, the export): the
     model itself without expert parallelism; with it, the experts gathered (a collective over the
-    ranks) into a fresh model on rank 0, None on the others."""
+    ranks) into a fresh module on rank 0 (`build()`, by default a GLMModel of the model's config),
+    None on the others."""
     if ranks.ep is None:
         return model
     from model.moe import gathered_state_dict
@@ -194,7 +196,7 @@ def whole_model(model: GLMModel, ranks: Ranks = SINGLE) -> GLMModel | None:
     state = gathered_state_dict(model)
     if ranks.rank != 0:
         return None
-    whole = GLMModel(model.config)
+    whole = build() if build is not None else GLMModel(model.config)
     whole.load_state_dict(state)
     for p in whole.parameters():
         p.requires_grad_(False)

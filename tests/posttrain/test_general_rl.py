@@ -13,14 +13,8 @@ from chat.template import pair_text_ids
 from domains.task import Task
 from glmforge.stage import Workdir
 from rl import gates
-from posttrain.reward_model import (
-    RewardModel,
-    RewardModelConfig,
-    load_reward_model,
-    mutate_code,
-    pairwise_accuracy,
-    run_reward_model,
-)
+from rl.orm import RewardModel, load_reward_model
+from posttrain.reward_model import RewardModelConfig, mutate_code, pairwise_accuracy, run_reward_model
 from posttrain.rl_general import RLGeneralConfig, run_rl_general, verified_accuracy
 from rl.judges import (
     JudgeService,
