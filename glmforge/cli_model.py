@@ -124,8 +124,8 @@ def _rl_stage_pools(preset: str, cfg, plan) -> dict:
         par = sec.parallel
         rollout = getattr(sec, "rollout", None)
         servers: dict[str, int] = {}
-        if rollout is not None and rollout.backend == "native_server":
-            servers["rollouts"] = len(rollout.native_server.urls) or rollout.native_server.replicas
+        if rollout is not None and rollout.backend == "served":
+            servers["rollouts"] = len(rollout.servers.urls) or rollout.servers.replicas
             if stage == "rl_general":
                 servers.update({j: sec.judge_servers.replicas for j in ("grm", "orm") if sec.weights.get(j, 0) > 0})
             if stage == "distill":

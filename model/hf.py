@@ -27,6 +27,7 @@ import re
 import shutil
 import warnings
 from pathlib import Path
+from typing import Mapping
 
 import torch
 from safetensors import safe_open
@@ -117,11 +118,17 @@ def from_hf_config(hf: dict) -> ModelConfig:
 
 # ---------------------------------------------------------------- weights
 def to_hf_state_dict(model: GLMModel, expert_layout: str = "packed") -> dict[str, torch.Tensor]:
+    return hf_tensors(model.state_dict(), model.config, expert_layout)
+
+
+def hf_tensors(state: Mapping[str, torch.Tensor], cfg: ModelConfig, expert_layout: str = "packed"
+               ) -> dict[str, torch.Tensor]:
+    """Our state dict (GLMModel.state_dict() names) under the HF checkpoint's names."""
     if expert_layout not in ("packed", "per_expert"):
         raise ValueError(f"expert_layout must be 'packed' or 'per_expert', got {expert_layout!r}")
-    L = model.config.num_layers
+    L = cfg.num_layers
     out = {}
-    for name, t in model.state_dict().items():
+    for name, t in state.items():
         if name == "lm_head.weight":
             key = name
         elif name.startswith("mtp.block."):
@@ -131,10 +138,10 @@ def to_hf_state_dict(model: GLMModel, expert_layout: str = "packed") -> dict[str
         else:
             key = "model." + name
         out[key] = t.detach().contiguous().clone()
-    if model.mtp is not None:
+    if cfg.mtp_depth:
         out[f"model.layers.{L}.embed_tokens.weight"] = out["model.embed_tokens.weight"].clone()
         out[f"model.layers.{L}.shared_head.head.weight"] = out["lm_head.weight"].clone()
-    if model.config.tie_word_embeddings:
+    if cfg.tie_word_embeddings:
         out.pop("lm_head.weight")
     if expert_layout == "per_expert":
         for key in [k for k in out if k.endswith("mlp.experts.gate_up_proj")]:
@@ -146,6 +153,14 @@ def to_hf_state_dict(model: GLMModel, expert_layout: str = "packed") -> dict[str
                 out[f"{base}{e}.up_proj.weight"] = up.contiguous()
                 out[f"{base}{e}.down_proj.weight"] = down[e].contiguous()
     return out
+
+
+def dense_mla_tensors(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The tensors of `to_dense_mla_config`'s checkpoint: the trunk only (indexers and MTP
+    dropped), one tensor per expert, the layout inference engines load."""
+    L = cfg.num_layers
+    return {k: v for k, v in hf_tensors(state, cfg, "per_expert").items()
+            if ".indexer." not in k and not k.startswith(f"model.layers.{L}.")}
 
 
 def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -235,9 +250,8 @@ def save_dense_mla(model: GLMModel, out_dir: str | Path) -> Path:
     tensor per expert, the layout inference engines load)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    L = model.config.num_layers
-    keep = {k: v for k, v in to_hf_state_dict(model, "per_expert").items() if ".indexer." not in k and not k.startswith(f"model.layers.{L}.")}
-    save_file(keep, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(dense_mla_tensors(model.state_dict(), model.config), str(out / "model.safetensors"),
+              metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(to_dense_mla_config(model.config), indent=2))
     return out
 

@@ -52,7 +52,7 @@ from rl.gates import EVALS, GateConfig
 from rl.ranks import SINGLE, ParallelConfig, Ranks, check_placement
 from rl.rollout import RolloutConfig, RolloutEngine, SamplingParams, open_engine, prompt_ids
 from rl.sample import Sample, Status
-from rl.served import NativeServerConfig, ServedEngine, group_seeds
+from rl.served import ServerPoolConfig, ServedEngine, group_seeds
 from rl.trainer import GateCheck, OptimConfig
 from rl.update import UpdateParams, collate, mismatch_trend, response_logprobs, update
 from training import checkpoint, metrics
@@ -84,8 +84,8 @@ class DistillConfig(BaseModel):
     rollout_int4: Optional[QATConfig] = None
     rollout_batch: int = Field(256, ge=1)
     rollout: RolloutConfig = Field(RolloutConfig(), description="the engine rollouts come from: native or vLLM")
-    teacher_servers: NativeServerConfig = Field(NativeServerConfig(replicas=1), description=(
-        "with rollout.backend=native_server: the server pool each teacher is served from (one pool per teacher, "
+    teacher_servers: ServerPoolConfig = Field(ServerPoolConfig(replicas=1), description=(
+        "with rollout.backend=served: the server pool each teacher is served from (one pool per teacher, "
         "loaded from its artifact); the trainer's ranks then hold no teacher"))
     gsm8k_path: str = "{samples}/gsm8k/train.jsonl"
     gsm8k_skip: int = Field(200, ge=0)
@@ -235,11 +235,11 @@ def run_distill(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir) -
 def train(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir, ranks: Ranks = SINGLE) -> dict[str, Any] | None:
     """The stage in this process, or as one of `ranks` (rl.launch; rl_reasoning.train's split:
     shares of the prompts per rank, rank 0 measures, gates and exports). With rollout servers
-    (rollout.backend=native_server) the student samples from them and each teacher is a server
+    (rollout.backend=served) the student samples from them and each teacher is a server
     pool of its own: the ranks hold only the student (expert-sharded with parallel.expert_parallel)."""
     seed = workdir.seed
     lead = ranks.rank == 0
-    served = cfg.rollout.backend == "native_server"
+    served = cfg.rollout.backend == "served"
     tokenizer = load_tokenizer(inputs["tokenize"])
     model = trainer.load_policy(inputs["rl-general"], "rl-general", tokenizer, seed)
     teacher_files = {name: artifact_weights(inputs[name], name) for name in cfg.teachers}

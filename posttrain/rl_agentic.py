@@ -154,7 +154,7 @@ class RLAgenticConfig(BaseModel):
         if self.rollout.backend == "vllm" and self.parallel.launch.world_size > 1:
             raise ValueError("rl-agentic on vLLM trains on one rank (its trainer ranks would each need the servers' "
                              "weight updates coordinated: not built)")
-        if self.rollout.backend == "native_server" and self.synchronous and self.parallel.launch.world_size > 1:
+        if self.rollout.backend == "served" and self.synchronous and self.parallel.launch.world_size > 1:
             raise ValueError("rl-agentic: synchronous=true generates in rank 0's process; on rollout servers with "
                              "several trainer ranks use the asynchronous workers (synchronous=false)")
         return self
@@ -279,7 +279,7 @@ def _train(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workdir, rank
            engines: contextlib.ExitStack) -> dict[str, Any] | None:
     seed = workdir.seed
     lead = ranks.rank == 0
-    served = cfg.rollout.backend == "native_server"
+    served = cfg.rollout.backend == "served"
     tokenizer = load_tokenizer(inputs["tokenize"])
     model = trainer.load_policy(inputs["rl-reasoning"], "rl-reasoning", tokenizer, seed, cfg.threads)
     ckpt_root = workdir.checkpoint / trainer.CHECKPOINTS
@@ -442,7 +442,7 @@ def worker_config(cfg: RLAgenticConfig, inputs: dict[str, Path], seed: int,
     if server_urls is not None and cfg.rollout.backend == "vllm":
         vllm = {"urls": server_urls, "config": cfg.rollout.vllm.model_dump()}
     elif server_urls is not None:
-        served = {"urls": server_urls, "config": cfg.rollout.native_server.model_dump()}
+        served = {"urls": server_urls, "config": cfg.rollout.servers.model_dump()}
     return {"tokenizer": str(inputs["tokenize"]), "seed": seed, "max_turns": cfg.max_turns,
             "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens},
             "int4": cfg.rollout_int4.model_dump() if cfg.rollout_int4 else None, "batch_size": cfg.rollout_batch,

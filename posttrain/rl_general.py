@@ -68,7 +68,7 @@ from rl.ranks import SINGLE, ParallelConfig, Ranks, check_placement
 from rl.rewards import REWARDS
 from rl.rollout import RolloutConfig, RolloutEngine, SamplingParams, open_engine, prompt_ids
 from rl.sample import Sample, Status
-from rl.served import NativeServerConfig, ServedEngine, group_seeds
+from rl.served import ServerPoolConfig, ServedEngine, group_seeds
 from rl.trainer import GateCheck, OptimConfig
 from rl.update import UpdateParams, assign_advantages, mismatch_trend, update
 from training import checkpoint, metrics
@@ -113,8 +113,8 @@ class RLGeneralConfig(BaseModel):
     rollout_int4: Optional[QATConfig] = None
     rollout_batch: int = Field(256, ge=1)
     rollout: RolloutConfig = Field(RolloutConfig(), description="the engine rollouts come from: native or vLLM")
-    judge_servers: NativeServerConfig = Field(NativeServerConfig(replicas=1), description=(
-        "with rollout.backend=native_server: the server pool each judge is served from (the GRM's weights, the "
+    judge_servers: ServerPoolConfig = Field(ServerPoolConfig(replicas=1), description=(
+        "with rollout.backend=served: the server pool each judge is served from (the GRM's weights, the "
         "ORM); the trainer's ranks then hold no judge"))
     gsm8k_path: str = "{samples}/gsm8k/train.jsonl"
     gsm8k_skip: int = Field(200, ge=0)
@@ -320,12 +320,12 @@ def train(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workdir, ranks
           judges: Optional[dict[str, Judge]] = None) -> dict[str, Any] | None:
     """The stage in this process, or as one of `ranks` (rl.launch; rl_reasoning.train's split:
     each rank generates and judges its share of the groups, rank 0 measures, gates and exports).
-    With rollout servers (rollout.backend=native_server) the policy samples from them and the
+    With rollout servers (rollout.backend=served) the policy samples from them and the
     judges are served too: the ranks hold only the policy (expert-sharded with
     parallel.expert_parallel)."""
     seed = workdir.seed
     lead = ranks.rank == 0
-    served = cfg.rollout.backend == "native_server"
+    served = cfg.rollout.backend == "served"
     tokenizer = load_tokenizer(inputs["tokenize"])
     model = trainer.load_policy(inputs["rl-agentic"], "rl-agentic", tokenizer, seed, cfg.threads)
     stop_ids = [tokenizer.token_to_id(t) for t in STOP_TOKENS]

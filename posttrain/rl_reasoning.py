@@ -271,7 +271,7 @@ def train(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir,
     ckpt_root, log_path = workdir.checkpoint / trainer.CHECKPOINTS, workdir.checkpoint / "metrics.jsonl"
     last: list[Sample] = []
 
-    served = cfg.rollout.backend == "native_server"
+    served = cfg.rollout.backend == "served"
     engine_root = workdir.checkpoint / ("engine" if served else f"engine-rank{ranks.rank}")
     with open_engine(cfg.rollout, model, tokenizer, stop_ids, pad_id, engine_root, int4=cfg.rollout_int4,
                      batch_size=cfg.rollout_batch, record_routes=cfg.routing_replay, ranks=ranks
@@ -333,9 +333,9 @@ def train(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir,
     result["trainer_ranks"] = ranks.world
     result["placement"] = {"trainer_ranks": ranks.world, "expert_parallel": cfg.parallel.expert_parallel,
                            "rollout": cfg.rollout.backend,
-                           "servers": (len(cfg.rollout.native_server.urls) or cfg.rollout.native_server.replicas)
-                           if cfg.rollout.backend == "native_server" else 0}
-    if cfg.rollout.backend == "native_server":
+                           "servers": (len(cfg.rollout.servers.urls) or cfg.rollout.servers.replicas)
+                           if cfg.rollout.backend == "served" else 0}
+    if cfg.rollout.backend == "served":
         result["weight_sync"] = weight_sync_summary(records)
     gate = GateCheck(cfg.gates, before["gates"], after["gates"], "sft", gates.read_chain(inputs.get("sft")), seed)
     result["gates"] = trainer.publish(

@@ -136,6 +136,16 @@ def fake_quantize(w: torch.Tensor, group_size: int) -> torch.Tensor:
     return fake_quantize_int4(w.reshape(-1, w.shape[-1]), group_size).view(w.shape)
 
 
+@torch.no_grad()
+def baked_int4_state(state: dict[str, torch.Tensor], model_config, cfg: QATConfig) -> dict[str, torch.Tensor]:
+    """`state` with each tensor QAT quantizes replaced by its fake-quantized value: what an INT4
+    rollout copy computes with (prepare_qat then remove_qat(bake=True) on a whole model), from a
+    state dict alone (the tensor names come from a model built on the meta device)."""
+    with torch.device("meta"):
+        names = set(quantized_tensor_names(GLMModel(model_config), cfg))
+    return {k: fake_quantize(v, cfg.group_size) if k in names else v for k, v in state.items()}
+
+
 # ---------------------------------------------------------------- QAT modules
 _QAT_CLASSES: dict[type, type] = {}
 

@@ -22,7 +22,7 @@ the subset of vLLM's that RL needs, token ids in and token ids out:
                                      -> {"version", "checksums"}
 
 `logprobs` (with max_tokens 1): the first token's distribution at the request's temperature, its
-top k entries as [token id, log-prob] pairs (-1: the whole vocabulary), a judge's verdict read
+top k entries as {"token_id", "logprob"} (vLLM's shape; -1: the whole vocabulary), a judge's verdict read
 from the first token (rl.judges.grm_judge, "expected" scoring).
 
 A request's `n` samples are one batch drawn from a generator seeded with its `seed`: the same
@@ -153,7 +153,8 @@ class NativeServer:
         first = int(top[0])
         return {"token_ids": [first], "finish_reason": "length",
                 "logprobs": {"content": [{"logprob": float(logp[first]),
-                                          "top_logprobs": [[int(t), float(logp[t])] for t in top]}]},
+                                          "top_logprobs": [{"token_id": int(t), "logprob": float(logp[t])}
+                                                           for t in top]}]},
                 "weight_versions": [{"version": str(self.version), "start": 0, "end": 1}]}
 
     @torch.no_grad()

@@ -125,7 +125,7 @@ class ParallelConfig(BaseModel):
     uses (rl.launch) and train through a DeepSpeed engine at `zero_stage`. With
     `expert_parallel` > 1 the experts are sharded over the trainer's ranks (training.expert_parallel)
     and every forward is a collective, so the ranks only train: rollouts come from servers
-    (rollout.backend=native_server, rl.served) and the stage evaluates through them."""
+    (rollout.backend=served, rl.served) and the stage evaluates through them."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -146,9 +146,9 @@ def check_placement(stage: str, parallel: ParallelConfig, backend: str | None) -
     """Refuse, before anything starts, expert parallelism on ranks that would have to generate:
     with the experts sharded the stage's rollouts (and judges, teachers) must be served.
     backend None: the stage generates nothing (the reward model), so its ranks only train anyway."""
-    if parallel.expert_parallel > 1 and backend not in ("native_server", None):
+    if parallel.expert_parallel > 1 and backend not in ("served", None):
         raise ValueError(f"{stage}: parallel.expert_parallel={parallel.expert_parallel} needs "
-                         f"rollout.backend=native_server: with the experts sharded no trainer rank holds a whole "
+                         f"rollout.backend=served: with the experts sharded no trainer rank holds a whole "
                          f"model to generate with")
 
 

@@ -29,7 +29,7 @@ from model.moe import recording_routes
 from quant.qat import QATConfig, prepare_qat
 from rl.ranks import SINGLE, Ranks
 from rl.sample import Sample, Status
-from rl.served import NativeServerConfig
+from rl.served import ServerPoolConfig
 from rl.vllm_server import VLLMConfig
 
 
@@ -50,12 +50,13 @@ def prompt_ids(tokenizer, task: Task, tools: list[dict] | None = None) -> list[i
 class RolloutConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    backend: Literal["native", "native_server", "vllm"] = Field("native", description=(
-        "native: this module's engine in the stage's process (on ranks: each rank's own copy); native_server: "
-        "the same engine as server processes the stage starts and stops, the trainer's ranks only train "
-        "(rl.served); vllm: vLLM servers the stage starts and stops (rl.vllm_engine; `make vllm-setup`)"))
+    backend: Literal["native", "served", "vllm"] = Field("native", description=(
+        "native: this module's engine in the stage's process (on ranks: each rank's own copy); served: a pool "
+        "of inference servers (`servers`: the project's engine or vLLM) the stage starts and stops while the "
+        "trainer's ranks only train (rl.served); vllm: vLLM servers reloaded from a whole-model export the "
+        "stage's process writes each version (rl.vllm_engine; `make vllm-setup`)"))
     vllm: VLLMConfig = VLLMConfig()
-    native_server: NativeServerConfig = NativeServerConfig()
+    servers: ServerPoolConfig = ServerPoolConfig()
 
 
 def open_engine(cfg: RolloutConfig, policy: GLMModel, tokenizer, stop_ids: list[int], pad_id: int, root: Path, *,
@@ -63,17 +64,17 @@ def open_engine(cfg: RolloutConfig, policy: GLMModel, tokenizer, stop_ids: list[
                 ranks: Ranks = SINGLE):
     """The rollout engine a stage's `rollout:` section asks for, as a context manager that stops
     what it started (servers) however the stage ends. root: the engine's files. With
-    native_server every rank of `ranks` opens it together (rank 0 starts the servers)."""
+    `served` every rank of `ranks` opens it together (rank 0 starts the servers)."""
     if cfg.backend == "native":
         return RolloutEngine(policy, tokenizer, stop_ids, pad_id, int4=int4, batch_size=batch_size,
                              record_routes=record_routes)
     if record_routes:
         raise ValueError(f"routing replay needs rollout.backend=native: the {cfg.backend} servers do not report "
                          "the experts each token was routed to")
-    if cfg.backend == "native_server":
+    if cfg.backend == "served":
         from rl.served import ServedEngine
 
-        return ServedEngine(policy, tokenizer, stop_ids, pad_id, cfg.native_server, root, int4=int4, ranks=ranks)
+        return ServedEngine(policy, tokenizer, stop_ids, pad_id, cfg.servers, root, int4=int4, ranks=ranks)
     from rl.vllm_engine import VLLMEngine
 
     return VLLMEngine(policy, tokenizer, stop_ids, cfg.vllm, root, int4=int4)

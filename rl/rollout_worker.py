@@ -58,9 +58,9 @@ def serve(address: tuple[str, int], worker_id: str) -> None:
         engine = VLLMEngine.connect(cfg["vllm"]["urls"], VLLMConfig(**cfg["vllm"]["config"]), tokenizer,
                                     [tokenizer.token_to_id(t) for t in STOP_TOKENS])
     elif cfg.get("served"):             # the stage's native servers: they take the weights
-        from rl.served import NativeServerConfig, ServedEngine
+        from rl.served import ServerPoolConfig, ServedEngine
 
-        engine = ServedEngine.connect(cfg["served"]["urls"], NativeServerConfig(**cfg["served"]["config"]), tokenizer,
+        engine = ServedEngine.connect(cfg["served"]["urls"], ServerPoolConfig(**cfg["served"]["config"]), tokenizer,
                                       [tokenizer.token_to_id(t) for t in STOP_TOKENS])
     queue: list[tuple] = []
     stop = threading.Event()

@@ -1,5 +1,5 @@
 """Rollouts from inference servers while the trainer's ranks only train (`rollout.backend:
-native_server`): rl.rollout.RolloutEngine's interface (sync / generate / complete) over a pool of
+served`): rl.rollout.RolloutEngine's interface (sync / generate / complete) over a pool of
 server processes (rl.native_server), as slime runs GLM-5's RL with SGLang engines beside its
 Megatron ranks.
 
@@ -41,12 +41,13 @@ import urllib.error
 from concurrent.futures import ThreadPoolExecutor
 from http.client import HTTPException
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from glmforge.shutdown import stop_process_group
+from model.config import ModelConfig
 from model.model import GLMModel
 from model.moe import MoE
 from quant.qat import QATConfig
@@ -54,7 +55,7 @@ from rl import weight_sync
 from rl.orchestrator import HashRing
 from rl.ranks import SINGLE, Ranks
 from rl.sample import Sample, Status
-from rl.vllm_server import GUARD, EngineFailed, http
+from rl.vllm_server import GUARD, EngineFailed, VLLMServerSettings, http
 from training.launch import free_port
 
 if TYPE_CHECKING:
@@ -65,16 +66,31 @@ REPO = Path(__file__).resolve().parents[1]
 _NETWORK_ERRORS = (OSError, HTTPException)
 
 
-class NativeServerConfig(BaseModel):
-    """`rollout.native_server`: the server pool a stage rolls out on when its trainer only trains."""
+class ServerPoolConfig(BaseModel):
+    """A pool of inference servers a stage starts (or is given as URLs) while its trainer's ranks
+    only train: `rollout.servers` (the policy's rollouts), rl-general's `judge_servers`, distill's
+    `teacher_servers`. One protocol, two engines: `native` (rl.native_server, one device per
+    replica: CPU, tests, laptops) and `vllm` (rl.served_vllm: GPUs, a replica over
+    `gpus_per_replica` of them)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    engine: Literal["native", "vllm"] = Field("native", description=(
+        "native: the project's engine as a server process; vllm: vLLM servers (`make vllm-setup`), the weights "
+        "loaded from the trainer's published versions by the worker extension in rl/vllm_ext"))
     replicas: int = Field(2, ge=1, description="server processes the stage starts (rank 0 owns them)")
     urls: list[str] = Field([], description="servers someone else runs (then none is started); they must read "
                             "the published weights' folder")
-    threads: int = Field(1, ge=1, description="torch threads per server")
-    batch_size: int = Field(64, ge=1, description="sequences a server decodes at once")
+    gpus_per_replica: int = Field(1, ge=1, description="GPUs one replica runs on (vLLM: tensor x data parallel)")
+    data_parallel: int = Field(1, ge=1, description="attention data parallelism inside a replica (vLLM "
+                               "--data-parallel-size); its other GPUs are tensor parallel")
+    expert_parallel: int = Field(1, ge=1, description="GPUs of a replica the routed experts are sharded over "
+                                 "(vLLM --enable-expert-parallel: all of them)")
+    weights: Literal["bf16", "fp8"] = Field("bf16", description="the served weights' precision (fp8: vLLM "
+                                            "--quantization fp8); INT4 rollouts are the stage's rollout_int4")
+    vllm: VLLMServerSettings = Field(VLLMServerSettings(), description="how the vLLM processes run (engine: vllm)")
+    threads: int = Field(1, ge=1, description="torch threads per native server")
+    batch_size: int = Field(64, ge=1, description="sequences a native server decodes at once")
     delta: bool = Field(True, description="publish what changed since the last version (XOR + zstd) instead of "
                         "every byte")
     full_every: int = Field(10, ge=1, description="a whole version every N syncs (the chain a restarted "
@@ -83,6 +99,22 @@ class NativeServerConfig(BaseModel):
     restarts: int = Field(2, ge=0, description="times a dead server is started again before the stage fails")
     startup_timeout_s: float = Field(120.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _layout(self) -> "ServerPoolConfig":
+        g = self.gpus_per_replica
+        if g % self.data_parallel:
+            raise ValueError(f"data_parallel={self.data_parallel} does not divide gpus_per_replica={g}")
+        if g % self.expert_parallel:
+            raise ValueError(f"expert_parallel={self.expert_parallel} does not divide gpus_per_replica={g}: a "
+                             "replica's GPUs are split into equal expert shards")
+        if self.engine == "native" and (g, self.expert_parallel, self.data_parallel, self.weights) != (1, 1, 1, "bf16"):
+            raise ValueError("a native server replica runs on one device with the weights as trained: "
+                             "gpus_per_replica, data_parallel and expert_parallel > 1 or weights: fp8 need engine: vllm")
+        if self.engine == "vllm" and self.expert_parallel not in (1, g):
+            raise ValueError(f"expert_parallel={self.expert_parallel}: vLLM shards the experts over all "
+                             f"{g} GPUs of a replica (--enable-expert-parallel) or none")
+        return self
 
 
 def group_seeds(key: int, n: int) -> list[int]:
@@ -109,7 +141,11 @@ def _server_env() -> dict[str, str]:
 
 
 class Server:
-    """One native server: a process of ours on a fixed port (restarted there), or a URL."""
+    """One native server: a process of ours on a fixed port (restarted there), or a URL. The
+    served protocol's operations (load a version, a file, an ORM; checksums; requests) are
+    methods, so another engine is another subclass (rl.served_vllm.VLLMPoolServer)."""
+
+    kind = "native server"
 
     def __init__(self, index: int, root: Path, settings: dict[str, Any], url: str | None = None):
         self.index, self.root, self.settings = index, Path(root), settings
@@ -120,33 +156,47 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
+    @property
+    def name(self) -> str:
+        return f"{self.kind} {self.index} ({self.url})"
+
+    def command(self) -> list[str]:
+        cfg = self.root / f"server-{self.index}.json"
+        cfg.write_text(json.dumps({**self.settings, "port": self.port}))
+        return [sys.executable, "-m", "rl.native_server", str(cfg)]
+
+    def env(self) -> dict[str, str]:
+        return _server_env()
+
     def launch(self) -> None:
         if not self.owned:
             return
         self.root.mkdir(parents=True, exist_ok=True)
-        cfg = self.root / f"server-{self.index}.json"
-        cfg.write_text(json.dumps({**self.settings, "port": self.port}))
+        cmd = self.command()
         self.starts += 1
         with open(self.log_path, "ab") as out:
-            out.write(f"\n=== start {self.starts} on port {self.port}\n".encode())
+            out.write(f"\n=== start {self.starts} on port {self.port}: {' '.join(cmd)}\n".encode())
             out.flush()
-            cmd = [sys.executable, str(GUARD), str(os.getpid()), "--", sys.executable, "-m", "rl.native_server", str(cfg)]
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=_server_env(), cwd=str(REPO), start_new_session=True)
+            self.proc = subprocess.Popen([sys.executable, str(GUARD), str(os.getpid()), "--", *cmd], stdout=out,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env(),
+                                         cwd=str(REPO), start_new_session=True)
 
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise EngineFailed(f"native server {self.index} exited with {self.proc.returncode} while starting; "
+                raise EngineFailed(f"{self.kind} {self.index} exited with {self.proc.returncode} while starting; "
                                    f"last lines of {self.log_path}:\n{self.tail()}")
             if self.health() is not None:
-                return
+                return self.prepare()
             time.sleep(0.2)
-        raise EngineFailed(f"native server {self.index} at {self.url} not healthy after {timeout:.0f} s; "
-                           f"see {self.log_path}")
+        raise EngineFailed(f"{self.name} not healthy after {timeout:.0f} s; see {self.log_path}")
+
+    def prepare(self) -> None:
+        """What a freshly started server needs before its first load (nothing, here)."""
 
     def health(self) -> Optional[dict]:
+        """{"version": the version it serves, None before its first load}; None when it does not answer."""
         try:
             return http(self.url + "/health", timeout=5)
         except (urllib.error.URLError, *_NETWORK_ERRORS, ValueError):
@@ -166,12 +216,33 @@ class Server:
         except OSError:
             return "(no log)"
 
+    def request(self, path: str, body: dict, timeout: float) -> Any:
+        """One request of the protocol (HTTP errors raised as they are)."""
+        return http(self.url + path, "POST", body, timeout)
+
     def call(self, path: str, body: dict, timeout: float) -> Any:
         try:
-            return http(self.url + path, "POST", body, timeout)
+            return self.request(path, body, timeout)
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:2000]
-            raise EngineFailed(f"native server {self.index} ({self.url}) {path}: HTTP {e.code}: {detail}") from e
+            raise EngineFailed(f"{self.name} {path}: HTTP {e.code}: {detail}") from e
+
+    # ------------------------------------------------------------ the protocol's loads
+    def load_version(self, root: Path, version: int, timeout: float) -> Any:
+        """Take a published version (a delta on the one held); returns the version it reports."""
+        return self.call("/weights/load", {"root": str(root), "version": version}, timeout).get("version")
+
+    def load_file(self, path: Path, timeout: float) -> None:
+        self.call("/weights/load_file", {"path": str(path), "version": 0}, timeout)
+
+    def load_orm(self, artifact: Path, timeout: float) -> None:
+        self.call("/weights/load_orm", {"dir": str(artifact), "version": 0}, timeout)
+
+    def checksums(self, timeout: float, root: Path | None = None, version: int | None = None) -> dict:
+        """{"version", "checksums"} of what it holds: per piece of `version` as published under
+        `root`, or per tensor."""
+        body = {} if root is None else {"root": str(root), "version": version}
+        return self.call("/weights/checksums", body, timeout)
 
 
 class ServedEngine:
@@ -180,8 +251,11 @@ class ServedEngine:
     `prefill_logprobs`, a GRM judging with `complete` / `next_token_logprobs`; `serve_orm`: the
     ORM, `score_ids`)."""
 
-    def __init__(self, policy: GLMModel | None, tokenizer, stop_ids: list[int], pad_id: int, cfg: NativeServerConfig,
-                 root: Path, *, int4: QATConfig | None = None, ranks: Ranks = SINGLE):
+    def __init__(self, policy: GLMModel | None, tokenizer, stop_ids: list[int], pad_id: int, cfg: ServerPoolConfig,
+                 root: Path, *, int4: QATConfig | None = None, ranks: Ranks = SINGLE,
+                 model: ModelConfig | None = None):
+        """model: the architecture a pool without a policy serves (a teacher's, a judge's), which a
+        vLLM server needs at start; the policy's otherwise."""
         self.tokenizer, self.stop_ids, self.cfg, self.ranks = tokenizer, list(stop_ids), cfg, ranks
         self.root, self.weights = Path(root), Path(root) / "weights"
         self.config_json = policy.config.model_dump_json() if policy is not None else ""
@@ -199,7 +273,16 @@ class ServedEngine:
         settings = {"threads": cfg.threads, "batch_size": cfg.batch_size, "pad_id": pad_id,
                     "int4": int4.model_dump() if int4 is not None else None}
         urls = cfg.urls or [None] * cfg.replicas
-        servers = [Server(i, self.root, settings, url if url or lead else "http://unset") for i, url in enumerate(urls)]
+        if cfg.engine == "vllm":
+            from rl.served_vllm import VLLMPoolServer, pool_settings
+
+            arch = policy.config if policy is not None else model
+            vsettings = pool_settings(cfg, arch) if lead and arch is not None else cfg.vllm
+            servers = [VLLMPoolServer(i, self.root, cfg, vsettings, arch, int4, url if url or lead else "http://unset")
+                       for i, url in enumerate(urls)]
+        else:
+            servers = [Server(i, self.root, settings, url if url or lead else "http://unset")
+                       for i, url in enumerate(urls)]
         error = None
         if lead:
             try:
@@ -229,7 +312,7 @@ class ServedEngine:
             self._watchdog.start()
 
     @classmethod
-    def connect(cls, urls: list[str], cfg: NativeServerConfig, tokenizer, stop_ids: list[int]) -> "ServedEngine":
+    def connect(cls, urls: list[str], cfg: ServerPoolConfig, tokenizer, stop_ids: list[int]) -> "ServedEngine":
         """A client of servers another process owns and syncs (rl-agentic's rollout workers): it
         generates; versions come from the servers' labels."""
         return cls(None, tokenizer, stop_ids, 0, cfg.model_copy(update={"urls": list(urls)}), Path("."))
@@ -273,10 +356,10 @@ class ServedEngine:
         if self._closed.is_set() or not server.dead():
             return
         if self.restarts >= self.cfg.restarts:
-            raise EngineFailed(f"native server {server.index} died again after {self.restarts} restarts; "
+            raise EngineFailed(f"{server.kind} {server.index} died again after {self.restarts} restarts; "
                                f"last lines of {server.log_path}:\n{server.tail()}")
         self.restarts += 1
-        log.warning("native server %d died: starting it again at version %s", server.index, self.version)
+        log.warning("%s %d died: starting it again at version %s", server.kind, server.index, self.version)
         server.stop()
         server.launch()
         server.wait_healthy(self.cfg.startup_timeout_s)
@@ -342,23 +425,19 @@ class ServedEngine:
 
     def _load(self, server: Server, version: int) -> None:
         """The server takes `version`, then proves it holds exactly that."""
-        out = server.call("/weights/load", {"root": str(self.weights.resolve()), "version": version},
-                          self.cfg.request_timeout_s)
-        self.verify(server, version, reported=out.get("version"))
+        reported = server.load_version(self.weights.resolve(), version, self.cfg.request_timeout_s)
+        self.verify(server, version, reported=reported)
 
     def verify(self, server: Server, version: int, reported: Any = "ask") -> None:
-        held = server.call("/weights/checksums", {"root": str(self.weights.resolve()), "version": version},
-                           self.cfg.request_timeout_s)
+        held = server.checksums(self.cfg.request_timeout_s, self.weights.resolve(), version)
         if reported == "ask":
             reported = held["version"]
         if reported != version or held["version"] != version:
-            raise EngineFailed(f"native server {server.index} ({server.url}) reports version {held['version']}, "
-                               f"expected {version}")
+            raise EngineFailed(f"{server.name} reports version {held['version']}, expected {version}")
         differs = weight_sync.first_difference(weight_sync.expected_checksums(self.weights, version),
                                                held["checksums"])
         if differs is not None:
-            raise EngineFailed(f"native server {server.index} ({server.url}) holds {differs} other than version "
-                               f"{version} publishes it")
+            raise EngineFailed(f"{server.name} holds {differs} other than version {version} publishes it")
 
     def serve_file(self, path: Path) -> None:
         """Every server loads a fixed model from its state file (version 0) and proves it holds
@@ -388,11 +467,11 @@ class ServedEngine:
         self.version = 0
 
     def _load_file(self, server: Server) -> None:
-        server.call("/weights/load_file", {"path": str(self.state_file), "version": 0}, self.cfg.request_timeout_s)
+        server.load_file(self.state_file, self.cfg.request_timeout_s)
         self._check_files(server, [(self.state_file, "")])
 
     def _load_orm(self, server: Server) -> None:
-        server.call("/weights/load_orm", {"dir": str(self.orm_dir), "version": 0}, self.cfg.request_timeout_s)
+        server.load_orm(self.orm_dir, self.cfg.request_timeout_s)
         self._check_files(server, [(self.orm_dir / "backbone.safetensors", "backbone."),
                                    (self.orm_dir / "head.safetensors", "")])
 
@@ -400,13 +479,12 @@ class ServedEngine:
         """The server holds every tensor of these state files (name prefixed) exactly."""
         from safetensors import safe_open
 
-        held = server.call("/weights/checksums", {}, self.cfg.request_timeout_s)["checksums"]
+        held = server.checksums(self.cfg.request_timeout_s)["checksums"]
         for path, prefix in files:
             with safe_open(str(path), framework="pt") as fh:
                 for name in sorted(fh.keys()):
                     if held.get(prefix + name) != weight_sync.checksum(fh.get_tensor(name)):
-                        raise EngineFailed(f"native server {server.index} ({server.url}) holds {prefix + name} "
-                                           f"other than {path} has it")
+                        raise EngineFailed(f"{server.name} holds {prefix + name} other than {path} has it")
 
     def score_ids(self, items: list[tuple[list[int], int]], batch: int = 32) -> torch.Tensor:
         """The served ORM's score of each (token ids, reply start), as rl.orm.RewardModel.score_ids."""
@@ -432,8 +510,8 @@ class ServedEngine:
         vocab = max((len(r) for r in rows), default=0)
         out = torch.full((len(prefixes), vocab), float("-inf"))
         for i, row in enumerate(rows):
-            ids = torch.tensor([int(t) for t, _ in row])
-            out[i, ids] = torch.tensor([lp for _, lp in row])
+            ids = torch.tensor([int(c["token_id"]) for c in row])
+            out[i, ids] = torch.tensor([float(c["logprob"]) for c in row])
         return out
 
     def prefill_logprobs(self, sequences: list[tuple[list[int], list[int]]], keys: list[str] | None = None
@@ -510,10 +588,21 @@ class ServedEngine:
             toks = list(choice["token_ids"])
             lps = [c["logprob"] for c in choice["logprobs"]["content"]]
             versions = [0] * len(toks)
-            for span in choice["weight_versions"]:
+            for span in choice.get("weight_versions") or [{"version": self.version or 0, "start": 0,
+                                                           "end": len(toks)}]:
                 versions[span["start"]:span["end"]] = [int(span["version"])] * (span["end"] - span["start"])
             result.append((toks, lps, choice["finish_reason"] == "stop", versions))
         return result
+
+    def _other_version(self, out: Any) -> Optional[str]:
+        """The version a generate answer came from, when it is not the one this pool holds."""
+        if self.version is None or not isinstance(out, dict):
+            return None
+        for choice in out.get("choices") or []:
+            for span in choice.get("weight_versions") or []:
+                if str(span["version"]) != str(self.version):
+                    return str(span["version"])
+        return None
 
     def _send(self, server: Server, body: dict, path: str = "/inference/v1/generate") -> dict:
         """A request; a server that is down is waited for (rank 0 restarts it) until it serves
@@ -521,16 +610,21 @@ class ServedEngine:
         deadline = time.monotonic() + self.cfg.startup_timeout_s + self.cfg.request_timeout_s
         while True:
             try:
-                return http(server.url + path, "POST", body, self.cfg.request_timeout_s)
+                out = server.request(path, body, self.cfg.request_timeout_s)
+                stale = self._other_version(out)
+                if stale is None:
+                    return out
+                # a server started again answers before it has loaded the current version
+                reason = f"it answered from version {stale}, not {self.version}"
             except urllib.error.HTTPError as e:
                 detail = e.read().decode(errors="replace")[:2000]
                 if e.code != 500 or not ("no weights loaded" in detail or "no reward model loaded" in detail):
-                    raise EngineFailed(f"native server {server.index} ({server.url}): HTTP {e.code}: {detail}") from e
+                    raise EngineFailed(f"{server.name}: HTTP {e.code}: {detail}") from e
                 reason = detail
             except _NETWORK_ERRORS as e:
                 reason = repr(e)
             if time.monotonic() > deadline or (self._watchdog is not None and not self._watchdog.is_alive()):
-                raise EngineFailed(f"native server {server.index} ({server.url}) is not serving ({reason}); "
+                raise EngineFailed(f"{server.name} is not serving ({reason}); "
                                    f"last lines of {server.log_path}:\n{server.tail()}")
             while time.monotonic() < deadline:
                 h = server.health()

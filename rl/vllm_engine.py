@@ -38,13 +38,14 @@ from pathlib import Path
 
 import torch
 
+from model.config import ModelConfig
 from model.hf import save_dense_mla, save_pretrained
 from model.model import GLMModel
 from quant.qat import QATConfig, prepare_qat, remove_qat
 from rl.orchestrator import HashRing
 from rl.rollout import SamplingParams
 from rl.sample import Sample, Status
-from rl.vllm_server import CONTROL_TIMEOUT_S, SERVED_NAME, EngineFailed, VLLMConfig, VLLMServer
+from rl.vllm_server import CONTROL_TIMEOUT_S, SERVED_NAME, EngineFailed, VLLMConfig, VLLMServer, VLLMServerSettings
 
 log = logging.getLogger("glmforge")
 
@@ -68,9 +69,8 @@ def servable_copy(policy: GLMModel, int4: QATConfig | None) -> GLMModel:
     return model
 
 
-def check_servable(model: GLMModel, cfg: VLLMConfig, on_gpu: bool) -> None:
+def check_servable(c: ModelConfig, cfg: VLLMServerSettings, on_gpu: bool) -> None:
     """Refuse, before any server starts, what vLLM would only refuse at the first request."""
-    c = model.config
     if cfg.checkpoint == "dense_mla" and not on_gpu and c.kv_lora_rank + c.qk_rope_head_dim != CPU_MLA_LATENT:
         raise ValueError(
             f"vLLM on CPU serves MLA only with kv_lora_rank + qk_rope_head_dim = {CPU_MLA_LATENT} (512 + 64); "
@@ -86,7 +86,7 @@ def check_servable(model: GLMModel, cfg: VLLMConfig, on_gpu: bool) -> None:
                          "has on GPUs only; on CPU use checkpoint=dense_mla")
 
 
-def serving_config(cfg: VLLMConfig, on_gpu: bool) -> VLLMConfig:
+def serving_config(cfg: VLLMServerSettings, on_gpu: bool) -> VLLMServerSettings:
     """float32 on CPU pins vLLM's reference MLA backend: on CPUs with AMX vLLM picks AMX_MLA, which
     refuses float32 weights (the same config failed on one machine and ran on another)."""
     if not on_gpu and cfg.dtype == "float32" and cfg.attention_backend is None:
@@ -98,7 +98,7 @@ class VLLMEngine:
     def __init__(self, policy: GLMModel, tokenizer, stop_ids: list[int], cfg: VLLMConfig, root: Path,
                  int4: QATConfig | None = None, on_gpu: bool | None = None):
         on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
-        check_servable(policy, cfg, on_gpu)
+        check_servable(policy.config, cfg, on_gpu)
         cfg = serving_config(cfg, on_gpu)
         if cfg.checkpoint == "dense_mla" and not policy.config.dense_attention:
             log.warning("vLLM serves this DSA model with dense attention: exact while prompt + response fit in "

@@ -41,17 +41,15 @@ GUARD = Path(__file__).resolve().parent / "server_guard.py"
 CONTROL_TIMEOUT_S = 120.0       # pause / reload / resume / labels: seconds, not a generation's minutes
 
 
-class VLLMConfig(BaseModel):
+class VLLMServerSettings(BaseModel):
+    """How a vLLM server process runs: what both the `vllm` rollout backend and a served pool with
+    `engine: vllm` (rl.served_vllm) start."""
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     python: str = Field(".venv-vllm/bin/python", description="the vLLM environment's interpreter (make vllm-setup); "
                         "relative paths are from the working directory")
-    replicas: int = Field(1, ge=1, description="servers this stage starts; rollouts go to them by a consistent "
-                          "hash of the prompt group (session affinity: a group's samples share one prefix cache)")
-    urls: list[str] = Field([], description="servers someone else runs (then none is started); they must read "
-                            "the published weights' path")
     checkpoint: Literal["dense_mla", "glm_moe_dsa"] = Field("dense_mla", description=(
-        "the format the policy is published in: dense_mla (DeepSeek-V3's architecture, indexer dropped: vLLM "
+        "the format the policy is served in: dense_mla (DeepSeek-V3's architecture, indexer dropped: vLLM "
         "serves it on CPU and GPU) or glm_moe_dsa (GLM-5's sparse attention: vLLM on GPUs)"))
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     attention_backend: Optional[str] = Field(None, description=(
@@ -63,6 +61,13 @@ class VLLMConfig(BaseModel):
     env: dict[str, str] = Field({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
                                 description="environment for the server, beside a minimal one built here")
     enforce_eager: bool = Field(True, description="skip torch.compile (on CPU: a minute of start-up for nothing)")
+
+
+class VLLMConfig(VLLMServerSettings):
+    replicas: int = Field(1, ge=1, description="servers this stage starts; rollouts go to them by a consistent "
+                          "hash of the prompt group (session affinity: a group's samples share one prefix cache)")
+    urls: list[str] = Field([], description="servers someone else runs (then none is started); they must read "
+                            "the published weights' path")
     concurrency: int = Field(64, ge=1, description="requests in flight per stage")
     startup_timeout_s: float = Field(900.0, gt=0)
     request_timeout_s: float = Field(900.0, gt=0)
@@ -78,7 +83,7 @@ class EngineFailed(RuntimeError):
     """A vLLM server did not start, died, or refused a request; the message names the log."""
 
 
-def _server_env(cfg: VLLMConfig) -> dict[str, str]:
+def server_env(cfg: VLLMServerSettings) -> dict[str, str]:
     keep = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "USER")
     env = {k: os.environ[k] for k in keep if k in os.environ}
     env.update(VLLM_SERVER_DEV_MODE="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
@@ -96,6 +101,19 @@ def http(url: str, method: str = "GET", body: dict | None = None, timeout: float
     return json.loads(raw) if raw else None
 
 
+def serve_command(c: VLLMServerSettings, model_dir: Path, port: int) -> list[str]:
+    cmd = [c.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", c.dtype, "--max-model-len", str(c.max_model_len), "--max-num-seqs", str(c.max_num_seqs),
+           # token ids in and out (/inference/v1/generate): the server never needs our tokenizer
+           "--skip-tokenizer-init", "--tokens-only", "--worker-extension-cls", EXTENSION_CLS,
+           # log-probs of the distribution sampled from (temperature applied), as the trainer computes them
+           "--logprobs-mode", "processed_logprobs"]
+    if c.attention_backend:
+        cmd += ["--attention-backend", c.attention_backend]
+    return cmd + (["--enforce-eager"] if c.enforce_eager else []) + list(c.extra_args)
+
+
 class VLLMServer:
     """One server: a process this stage owns (`model_dir` is its first weights), or a URL."""
 
@@ -107,17 +125,7 @@ class VLLMServer:
         self.starts = 0
 
     def command(self, port: int) -> list[str]:
-        c = self.cfg
-        cmd = [c.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
-               "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
-               "--dtype", c.dtype, "--max-model-len", str(c.max_model_len), "--max-num-seqs", str(c.max_num_seqs),
-               # token ids in and out (/inference/v1/generate): the server never needs our tokenizer
-               "--skip-tokenizer-init", "--tokens-only", "--worker-extension-cls", EXTENSION_CLS,
-               # log-probs of the distribution sampled from (temperature applied), as the trainer computes them
-               "--logprobs-mode", "processed_logprobs"]
-        if c.attention_backend:
-            cmd += ["--attention-backend", c.attention_backend]
-        return cmd + (["--enforce-eager"] if c.enforce_eager else []) + list(c.extra_args)
+        return serve_command(self.cfg, self.model_dir, port)
 
     def start(self) -> None:
         """launch(), then wait_healthy(); a server that does not come up is stopped."""
@@ -144,7 +152,7 @@ class VLLMServer:
             out.flush()
             guarded = [sys.executable, str(GUARD), str(os.getpid()), "--", *self.command(port)]
             self.proc = subprocess.Popen(guarded, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=_server_env(self.cfg), start_new_session=True)
+                                         env=server_env(self.cfg), start_new_session=True)
         log.info("vLLM server pid %d on %s (log %s)", self.proc.pid, self.url, self.log_path)
 
     def wait_healthy(self) -> None:

@@ -1,6 +1,9 @@
 """Loaded by the vLLM server (`--worker-extension-cls glmforge_vllm_ext.WeightUpdate`), inside
-vLLM's own environment: it imports nothing of glmforge. Only this folder goes on the server's
-PYTHONPATH, so the project's top-level packages cannot shadow vLLM's imports.
+vLLM's own environment. Only this folder goes on the server's PYTHONPATH, so the project's
+top-level packages cannot shadow vLLM's imports; the served engine's loads (rl.served_vllm) need
+two of the project's modules (rl.weight_sync to read a published version, deltas included;
+model.hf for the checkpoint names), imported when first used with the repository
+($GLMFORGE_REPO) appended to the end of sys.path, after vLLM's own packages.
 
 Two fixes for vLLM 0.32 on CPU, both found by comparing its log-probs with the trainer's:
 
@@ -23,6 +26,11 @@ followed by that missing step.
 """
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
+import torch
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
 _forward_cpu = RotaryEmbedding.forward_cpu
@@ -49,6 +57,9 @@ class WeightUpdate:
         """reload_weights(weights_path), then each MoE layer's expert-kernel preparation that the
         in-place reload skips; returns the number of MoE layers prepared again."""
         self.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
+        return self._glmforge_repack()
+
+    def _glmforge_repack(self) -> int:
         n = 0
         for layer in self.model_runner.get_model().modules():
             kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
@@ -56,3 +67,74 @@ class WeightUpdate:
                 kernel.fused_experts.process_weights_after_loading(layer)
                 n += 1
         return n
+
+    # ---------------------------------------------------------------- the served protocol's loads
+    def glmforge_load_version(self, root: str, version: str, checkpoint: str, int4: str = "") -> dict:
+        """Policy version `version` as the trainer's ranks published it under `root` (a delta
+        applies on the version this worker holds), into the served model; the worker keeps our
+        state dict of it for the next delta and for `glmforge_checksums`."""
+        weight_sync, hf, model_config = _project()
+        config_json, state, _ = weight_sync.load_version(Path(root), int(version),
+                                                         held=getattr(self, "_glmforge_held", None))
+        checked = self._glmforge_take(hf, state, model_config.model_validate_json(config_json), checkpoint, int4)
+        self._glmforge_held = (int(version), state)
+        return {"version": int(version), "checked": checked}
+
+    def glmforge_load_file(self, path: str, checkpoint: str, int4: str = "") -> dict:
+        """A fixed model (a teacher's or a judge's state file, model.hf.save_state) into the
+        served model."""
+        from safetensors.torch import load_file
+
+        weight_sync, hf, _ = _project()
+        state = load_file(path)
+        checked = self._glmforge_take(hf, state, hf.state_config(path), checkpoint, int4)
+        self._glmforge_held = (0, state)
+        return {"version": 0, "checked": checked}
+
+    def glmforge_checksums(self, root: str = "", version: str = "") -> dict:
+        """Checksums of what this worker loaded last: per published piece of `version` under
+        `root` (rl.weight_sync.checksums), or per tensor of a loaded state file."""
+        weight_sync, _, _ = _project()
+        held = getattr(self, "_glmforge_held", None)
+        if held is None:
+            return {"version": None, "checksums": {}}
+        if root:
+            return {"version": held[0], "checksums": weight_sync.checksums(held[1], Path(root), int(version))}
+        return {"version": held[0], "checksums": {k: weight_sync.checksum(v) for k, v in held[1].items()}}
+
+    def _glmforge_take(self, hf, state: dict, cfg, checkpoint: str, int4: str) -> int:
+        """Reload the served model from our state dict (INT4 rollouts: fake-quantized as the
+        native engine's copy is), then read back every served parameter that holds a checkpoint
+        tensor as it is (the same name and shape: embeddings, norms, unsharded projections) and
+        refuse one that differs; returns how many were compared."""
+        if int4:
+            from quant.qat import QATConfig, baked_int4_state
+
+            state = baked_int4_state(state, cfg, QATConfig.model_validate_json(int4))
+        tensors = hf.dense_mla_tensors(state, cfg) if checkpoint == "dense_mla" else hf.hf_tensors(state, cfg)
+        self.reload_weights(weights_iterator=iter(list(tensors.items())), is_checkpoint_format=True)
+        self._glmforge_repack()
+        checked = 0
+        for name, param in self.model_runner.get_model().named_parameters():
+            want = tensors.get(name)
+            if want is None or tuple(want.shape) != tuple(param.shape):
+                continue
+            if not torch.equal(param.detach().cpu(), want.to(param.dtype)):
+                raise RuntimeError(f"after loading, the served model's {name} differs from the weights it was given")
+            checked += 1
+        return checked
+
+
+def _project():
+    """rl.weight_sync, model.hf and ModelConfig from the repository, appended after vLLM's own
+    packages so that none of the project's top-level names shadows one of vLLM's imports."""
+    repo = os.environ.get("GLMFORGE_REPO")
+    if not repo:
+        raise RuntimeError("GLMFORGE_REPO is not set: the served engine's loads read the project's weight format")
+    if repo not in sys.path:
+        sys.path.append(repo)
+    from model import hf
+    from model.config import ModelConfig
+    from rl import weight_sync
+
+    return weight_sync, hf, ModelConfig

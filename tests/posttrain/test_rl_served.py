@@ -25,7 +25,7 @@ from training import checkpoint
 from training.launch import TrainingFailed
 
 PLACED = {"launch": {"nproc_per_node": 2}, "expert_parallel": 2}
-SERVED = {"backend": "native_server", "native_server": {"replicas": 2, "full_every": 2}}
+SERVED = {"backend": "served", "servers": {"replicas": 2, "full_every": 2}}
 
 
 def _cfg_served(parallel=PLACED, **kw):
@@ -49,7 +49,7 @@ def placed(inputs, tmp_path_factory):  # noqa: F811
 
 def test_ranks_that_only_train_match_one_process_on_the_same_servers(inputs, placed, tmp_path):  # noqa: F811
     root, m = placed
-    assert m["placement"] == {"trainer_ranks": 2, "expert_parallel": 2, "rollout": "native_server", "servers": 2}
+    assert m["placement"] == {"trainer_ranks": 2, "expert_parallel": 2, "rollout": "served", "servers": 2}
     assert m["steps"] == 3 and m["heldout_accuracy"]["n"] == 8
     ws = m["weight_sync"]
     assert ws["versions"] == 3 and ws["deltas"] >= 1 and ws["bytes_per_delta"] < ws["full_bytes"]
@@ -116,16 +116,16 @@ def test_sigterm_checkpoints_and_leaves_no_rank_or_server(inputs, tmp_path):  # 
 
 
 def test_a_placement_that_cannot_run_is_refused_before_anything_starts(inputs, tmp_path):  # noqa: F811
-    with pytest.raises(ValueError, match="expert_parallel=2 needs rollout.backend=native_server"):
+    with pytest.raises(ValueError, match="expert_parallel=2 needs rollout.backend=served"):
         _cfg(parallel=PLACED)
     with pytest.raises(ValueError, match=r"expert_parallel=4 must divide the trainer's rank count"):
         _cfg(parallel={"launch": {"nproc_per_node": 2}, "expert_parallel": 4}, rollout=SERVED)
     from posttrain.rl_general import RLGeneralConfig
 
-    with pytest.raises(ValueError, match="rl-general: parallel.expert_parallel=2 needs rollout.backend=native_server"):
+    with pytest.raises(ValueError, match="rl-general: parallel.expert_parallel=2 needs rollout.backend=served"):
         RLGeneralConfig(parallel=PLACED)
     # a server URL that does not answer: one line naming it, no rank started
-    bad = {"backend": "native_server", "native_server": {"urls": ["http://127.0.0.1:9"], "startup_timeout_s": 2}}
+    bad = {"backend": "served", "servers": {"urls": ["http://127.0.0.1:9"], "startup_timeout_s": 2}}
     with pytest.raises(Exception, match=r"native server 0 at http://127.0.0.1:9 not healthy"):
         run_rl_reasoning(_cfg(rollout=bad), inputs, Workdir.at(tmp_path, seed=3))
 
@@ -148,7 +148,7 @@ def test_distill_on_ranks_that_only_train_with_served_teachers_matches_one_proce
                                               "tool_max_new_tokens": 2}, "tolerances": {}})
 
     m = run_distill(cfg(PLACED), chain, Workdir.at(tmp_path / "placed", seed=0))
-    assert m["placement"] == {"trainer_ranks": 2, "expert_parallel": 2, "rollout": "native_server",
+    assert m["placement"] == {"trainer_ranks": 2, "expert_parallel": 2, "rollout": "served",
                               "teachers_served": True}
     for name in ("sft", "rl-reasoning", "rl-agentic"):
         assert (tmp_path / "placed" / "checkpoint" / "teachers" / name / "server-0.log").exists()
@@ -189,7 +189,7 @@ def test_rl_general_on_ranks_that_only_train_with_served_judges_matches_one_proc
                                                 "tool_max_new_tokens": 2}, "tolerances": {}})
 
     m = run_rl_general(cfg(PLACED), chain, Workdir.at(tmp_path / "placed", seed=2))
-    assert m["placement"] == {"trainer_ranks": 2, "expert_parallel": 2, "rollout": "native_server",
+    assert m["placement"] == {"trainer_ranks": 2, "expert_parallel": 2, "rollout": "served",
                               "judges_served": True}
     assert {"rule", "orm", "grm"} <= set(m["reward_per_component"])
     for judge in ("orm", "grm"):
@@ -236,7 +236,7 @@ def test_rl_agentic_workers_on_served_rollouts_with_sharded_experts_match_one_pr
     chain = artifacts(tmp_path / "in", make_tokenizer(), {"rl-reasoning": 0})
     run_rl_agentic(agentic_cfg(synchronous=True, rollout=SERVED), chain, Workdir.at(tmp_path / "sync", seed=5))
     m = run_rl_agentic(agentic_cfg(parallel=PLACED, rollout=SERVED), chain, Workdir.at(tmp_path / "placed", seed=5))
-    assert m["placement"] == {"trainer_ranks": 2, "expert_parallel": 2, "rollout": "native_server"}
+    assert m["placement"] == {"trainer_ranks": 2, "expert_parallel": 2, "rollout": "served"}
     a, b = _records(tmp_path / "sync"), _records(tmp_path / "placed")
     assert [r["groups"] for r in a] == [r["groups"] for r in b] == [[0, 1], [2, 3], [4, 5]]
     assert [r["reward"] for r in a] == [r["reward"] for r in b]

@@ -18,7 +18,7 @@ from quant.qat import QATConfig
 from rl import weight_sync
 from rl.rollout import RolloutConfig, SamplingParams, open_engine, prompt_ids
 from rl.sample import Sample, Status
-from rl.served import NativeServerConfig, ServedEngine
+from rl.served import ServerPoolConfig, ServedEngine
 from rl.update import recompute_old_logprobs
 from rl.vllm_server import EngineFailed
 from tests.rl.conftest import small_model
@@ -32,7 +32,7 @@ def _samples(tokenizer, n_prompts=3, group=4):
 
 def _open(tokenizer, model, root, **cfg):
     stops = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
-    rollout = RolloutConfig(backend="native_server", native_server={"replicas": 2, "startup_timeout_s": 60, **cfg})
+    rollout = RolloutConfig(backend="served", servers={"replicas": 2, "startup_timeout_s": 60, **cfg})
     return open_engine(rollout, model, tokenizer, stops, tokenizer.token_to_id("<|pad|>"), root)
 
 
@@ -151,7 +151,7 @@ def _alive(pid: int) -> bool:
 def test_int4_servers_sample_from_the_fake_quantized_copy(tokenizer, tmp_path):
     model = small_model(tokenizer.get_vocab_size())
     stops = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
-    cfg = NativeServerConfig(replicas=1)
+    cfg = ServerPoolConfig(replicas=1)
     with ServedEngine(model, tokenizer, stops, tokenizer.token_to_id("<|pad|>"), cfg, tmp_path,
                       int4=QATConfig(group_size=16)) as engine:
         engine.sync(model, 0)
@@ -180,7 +180,7 @@ def test_served_judges_answer_as_the_models_in_process(tokenizer, tmp_path):
     stops = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
     pad = tokenizer.token_to_id("<|pad|>")
     prefixes = [prompt_ids(tokenizer, t) for t in arithmetic.tasks(5, "train", seed=1)]
-    cfg = NativeServerConfig(replicas=2)
+    cfg = ServerPoolConfig(replicas=2)
     with ServedEngine(None, tokenizer, stops, pad, cfg, tmp_path / "g") as g, \
             ServedEngine(None, tokenizer, stops, pad, cfg, tmp_path / "o") as o:
         g.serve_file(tmp_path / "grm.safetensors")

@@ -60,13 +60,13 @@ def test_dense_mla_export_is_deepseek_v3_without_indexer_or_mtp(tmp_path):
 def test_models_vllm_cannot_serve_are_refused_before_a_server_starts():
     cfg = VLLMConfig()
     with pytest.raises(ValueError, match=r"512 \+ 64.*32 \+ 16.*docs/vllm-cpu.md"):
-        check_servable(GLMModel(tiny().replace(vocab_size=64, num_layers=2)), cfg, on_gpu=False)
-    check_servable(GLMModel(tiny().replace(vocab_size=64, num_layers=2)), cfg, on_gpu=True)
+        check_servable(tiny().replace(vocab_size=64, num_layers=2), cfg, on_gpu=False)
+    check_servable(tiny().replace(vocab_size=64, num_layers=2), cfg, on_gpu=True)
     with pytest.raises(ValueError, match="multiple of 32.*has 48"):
-        check_servable(servable_model(64).__class__(servable_model(64).config.replace(moe_intermediate_size=48)),
+        check_servable(servable_model(64).config.replace(moe_intermediate_size=48),
                        cfg, on_gpu=False)
     with pytest.raises(ValueError, match="sparse-attention backend"):
-        check_servable(servable_model(64), VLLMConfig(checkpoint="glm_moe_dsa"), on_gpu=False)
+        check_servable(servable_model(64).config, VLLMConfig(checkpoint="glm_moe_dsa"), on_gpu=False)
     from posttrain.rl_reasoning import RLReasoningConfig
     with pytest.raises(ValueError, match="routing_replay needs rollout.backend=native"):
         RLReasoningConfig(routing_replay=True, rollout={"backend": "vllm"})
@@ -82,7 +82,7 @@ def test_native_backend_is_the_default_and_a_context_manager(tmp_path):
 def test_server_environment_carries_no_credentials(monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t")
     monkeypatch.setenv("GLMFORGE_RL_AUTHKEY", "abcd")
-    env = vllm_server._server_env(VLLMConfig())
+    env = vllm_server.server_env(VLLMConfig())
     assert "s3cr3t" not in json.dumps(env) and "GLMFORGE_RL_AUTHKEY" not in env
     assert env["PYTHONPATH"] == str(vllm_server.EXTENSION_DIR) and env["VLLM_SERVER_DEV_MODE"] == "1"
     cmd = VLLMServer(VLLMConfig(), Path("/m"), Path("/l")).command(1234)
