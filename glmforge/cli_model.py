@@ -107,44 +107,35 @@ def _plan_defaults(preset: str) -> dict:
     return dict((yaml.safe_load(path.read_text()) or {}).get("plan") or {})
 
 
-def _rl_stage_pools(preset: str, cfg, plan) -> dict:
-    """model.info.rl_pools for every RL-side stage of the preset's config, as it places them
-    (its `parallel:` and `rollout:` sections); {} for a preset without a config file."""
-    from glmforge.config import CONFIGS_DIR, load_config
-    from model.info import rl_pools
+def _rl_stage_pools(preset: str, plan) -> dict:
+    """rl.placement.stage_pools for every RL-side stage of the preset's config, as it places
+    them, under `plan`; {} for a preset without a config file."""
+    import yaml
+
+    from glmforge.config import CONFIGS_DIR, ConfigError, load_config, pipeline_model, preset_path
+    from rl.placement import RL_STAGES, stage_pools
 
     if not (CONFIGS_DIR / f"{preset}.yaml").is_file():
         return {}
-    config = load_config(preset)
+    try:
+        config = load_config(preset)
+    except ConfigError:               # a placement that does not fit: shown here, refused at a run
+        config = pipeline_model().model_validate(yaml.safe_load(preset_path(preset).read_text()))
+    model = config.plan.model() if config.plan is not None else None
     out = {}
-    for stage in ("rl_reasoning", "rl_agentic", "reward_model", "rl_general", "distill"):
+    for stage in RL_STAGES:
         sec = getattr(config, stage, None)
-        if sec is None:
+        if sec is None or model is None:
             continue
-        par = sec.parallel
-        rollout = getattr(sec, "rollout", None)
-        servers: dict[str, int] = {}
-        if rollout is not None and rollout.backend == "served":
-            servers["rollouts"] = len(rollout.servers.urls) or rollout.servers.replicas
-            if stage == "rl_general":
-                servers.update({j: sec.judge_servers.replicas for j in ("grm", "orm") if sec.weights.get(j, 0) > 0})
-            if stage == "distill":
-                servers.update({f"teacher {t}": sec.teacher_servers.replicas for t in sec.teachers})
-        generates = rollout is not None and rollout.backend == "native"
-        held = 0                        # judges and teachers each rank loads when they are not served
-        if not servers and stage == "rl_general":
-            held = sum(sec.weights.get(j, 0) > 0 for j in ("grm", "orm"))
-        if not servers and stage == "distill":
-            held = len(sec.teachers)
-        name = stage.replace("_", "-")
         try:
-            out[name] = rl_pools(cfg, plan, par.launch.world_size, par.zero_stage, par.expert_parallel, servers,
-                                 generates, held)
+            out[stage.replace("_", "-")] = stage_pools(sec, model, plan)
         except ValueError as e:          # a trainer layout the model cannot take (ep vs experts)
-            out[name] = {"error": str(e)}
-        if rollout is not None and rollout.backend == "vllm":
-            out[name]["note"] = "rollouts on vLLM servers (sized by vLLM, not here)"
+            out[stage.replace("_", "-")] = {"error": str(e)}
     return out
+
+
+def _gb(parts: dict) -> str:
+    return ", ".join(f"{k.replace('_', ' ')} {v / 1e9:,.1f}" for k, v in parts.items() if v)
 
 
 def _plan_info(preset: str, plan_text: str, given: dict, s: dict, as_json: bool) -> None:
@@ -166,7 +157,7 @@ def _plan_info(preset: str, plan_text: str, given: dict, s: dict, as_json: bool)
     except ValueError as e:
         _fail(str(e))
     fits = r["fits_training"] and r["fits_rollout"]
-    pools = _rl_stage_pools(preset, cfg, p)
+    pools = _rl_stage_pools(preset, p)
     if as_json:
         typer.echo(json.dumps({**s, "memory_plan": r, "rl_pools": pools}, indent=2))
     else:
@@ -199,21 +190,29 @@ def _plan_info(preset: str, plan_text: str, given: dict, s: dict, as_json: bool)
             typer.echo(f"  the RL trainer does not fit a {r['gpu_mem_gb']} GB GPU with AdamW at this layout: "
                        "use the pretraining optimizer's layout or more GPUs for the RL stages")
         if pools:
-            typer.echo(f"  RL-side stages as configs/{preset}.yaml places them, GB per GPU (the exit status is the "
-                       "plan above's):")
+            typer.echo(f"  RL-side stages as configs/{preset}.yaml places them, GB per GPU (loading the config refuses "
+                       "a pool that does not fit; the exit status is the plan above's):")
         for stage, pl in pools.items():
             if "error" in pl:
                 typer.echo(f"    {stage:<13} {pl['error']}")
                 continue
             t = pl["trainer"]
             where = "the ranks generate, judge or score teachers too (whole model copies)" if t["generates"] \
-                else "ranks only train"
+                or t["bytes"]["whole_models"] else "ranks that only train"
             where += f"; {pl['note']}" if "note" in pl else ""
-            typer.echo(f"    {stage:<13} trainer {t['gpus']} GPUs, ZeRO-{t['zero_stage']}, ep {t['ep']}, {where}: "
-                       f"{t['bytes_per_gpu'] / GB:,.1f}{'' if t['fits'] else '  DOES NOT FIT'}")
+            typer.echo(f"    {stage:<13} {pl['gpus']} GPUs. trainer: {t['gpus']} GPUs, ZeRO-{t['zero_stage']}, ep "
+                       f"{t['ep']}, {where}: {t['bytes_per_gpu'] / GB:,.1f}{'' if t['fits'] else '  DOES NOT FIT'} "
+                       f"({_gb(t['bytes'])})")
             for name, sv in pl["servers"].items():
-                typer.echo(f"    {'':<13} {name}: {sv['replicas']} native server replica(s), one GPU each holding the "
-                           f"whole model: {sv['bytes_per_gpu'] / GB:,.1f}{'' if sv['fits'] else '  DOES NOT FIT'}")
+                typer.echo(f"    {'':<13} {name}: {sv['replicas']} replica(s) x {sv['gpus_per_replica']} GPU(s) (data "
+                           f"parallel {sv['data_parallel']}, ep {sv['expert_parallel']}): {sv['bytes_per_gpu'] / GB:,.1f}"
+                           f"{'' if sv['fits'] else '  DOES NOT FIT'} ({_gb(sv['bytes'])})")
+            w = pl["weight_sync"]
+            if pl["servers"]:
+                typer.echo(f"    {'':<13} weight sync: {w['version_bytes'] / GB:,.1f} GB a version; a trainer GPU sends "
+                           f"{w['send_bytes_per_trainer_gpu'] / GB:.2f}, a server GPU receives "
+                           f"{w['receive_bytes_per_server_gpu'] / GB:.1f}: {w['seconds']:.2f} s at {w['gb_per_s']:g} GB/s "
+                           "(a full version; deltas move less)")
     if not fits:
         typer.echo(f"error: {not_fitting_message(cfg, p, r)}", err=True)
         raise typer.Exit(code=1)

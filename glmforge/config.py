@@ -257,7 +257,7 @@ def load_config(
         overridden[tuple(key.split("."))] = item
     in_files = {p for _, _, ln in layers for p in ln}
     try:
-        return pipeline_model().model_validate(data)
+        config = pipeline_model().model_validate(data)
     except ValidationError as e:
         problems = []
         for err in e.errors():
@@ -281,3 +281,19 @@ def load_config(
         if len(problems) == 1:  # one problem, one line
             raise ConfigError(f"invalid config: {problems[0]}") from None
         raise ConfigError("invalid config\n  " + "\n  ".join(problems)) from None
+    check_rl_pools(config, str(path))
+    return config
+
+
+def check_rl_pools(config: BaseModel, where: str) -> None:
+    """With a `plan:`, every RL-side stage's trainer and server pools must fit its GPUs
+    (rl.placement): a layout that cannot run is refused before anything starts."""
+    from rl.placement import config_pools, not_fitting
+
+    if getattr(config, "plan", None) is None:
+        return
+    lines = not_fitting(config_pools(config), config.plan.gpu_mem_gb, config.plan.nodes * config.plan.gpus_per_node)
+    if lines:
+        raise ConfigError(f"invalid config: {where}: RL placement under plan {config.plan.nodes}x"
+                          f"{config.plan.gpus_per_node} does not fit (glmforge model info --preset NAME --plan ...):\n  "
+                          + "\n  ".join(lines))

@@ -283,31 +283,69 @@ def memory_plan(cfg: ModelConfig, plan: Plan) -> dict:
     }
 
 
-def rl_pools(cfg: ModelConfig, plan: Plan, trainer_gpus: int, zero_stage: int, ep: int, servers: dict[str, int],
-             generates: bool, models_in_ranks: int = 0) -> dict:
+@dataclass(frozen=True)
+class ServerPool:
+    """An inference server pool as rl_pools sizes it (rl.served.ServerPoolConfig's layout)."""
+    replicas: int
+    gpus_per_replica: int = 1
+    data_parallel: int = 1              # attention data parallel inside a replica; tensor parallel = gpus / dp
+    expert_parallel: int = 1            # the replica's GPUs the routed experts are sharded over
+    weight_bytes: float = 2.0           # bf16 2, fp8 1
+
+
+def server_pool_memory(cfg: ModelConfig, plan: Plan, pool: ServerPool) -> dict:
+    """Bytes per GPU of one server replica: tensor parallelism splits the dense weights (and the
+    experts when they are not expert-parallel), expert parallelism the routed experts; the latent
+    KV cache of `plan.rollout_tokens` per GPU (MLA's latent is not split over heads, so tensor
+    parallel GPUs each hold their sequences' whole latent); and the reserve. `receive`: the bf16
+    bytes a GPU of it reads per full weight sync (the dense weights whole, its experts' shards)."""
+    experts = expert_params(cfg)
+    dense = param_counts(cfg).total_with_mtp - experts
+    tp = pool.gpus_per_replica // pool.data_parallel
+    expert_split = pool.expert_parallel if pool.expert_parallel > 1 else tp
+    weights = pool.weight_bytes * (dense / tp + experts / expert_split)
+    kv = kv_cache_bytes_per_token(cfg) * plan.rollout_tokens
+    reserve = plan.reserve_gb * GB
+    total = weights + kv + reserve
+    return {"replicas": pool.replicas, "gpus_per_replica": pool.gpus_per_replica, "data_parallel": pool.data_parallel,
+            "expert_parallel": pool.expert_parallel, "gpus": pool.replicas * pool.gpus_per_replica,
+            "bytes": {"weights": weights, "kv_cache": kv, "reserve": reserve}, "bytes_per_gpu": total,
+            "receive_bytes_per_gpu": 2 * (dense + experts / max(pool.expert_parallel, 1)),
+            "fits": total <= plan.gpu_mem_gb * GB}
+
+
+def rl_pools(cfg: ModelConfig, plan: Plan, trainer_gpus: int, zero_stage: int, ep: int,
+             servers: dict[str, ServerPool], generates: bool, models_in_ranks: int = 0) -> dict:
     """An RL stage's pools under `plan`'s per-GPU settings (sequence length, micro-batch, GPU size,
     rollout KV tokens, link speed): the trainer's `trainer_gpus` ranks (AdamW at `zero_stage`, the
-    experts sharded over `ep`), and each server pool (name -> replicas; a native server replica
-    holds the whole model on one device: bf16 weights + the KV cache + reserve). generates: the
-    ranks roll out themselves, each with a whole copy of the model beside its training state;
-    models_in_ranks: more whole models every rank holds (judges, teachers not served)."""
+    experts sharded over `ep`) and each server pool (server_pool_memory). generates: the ranks roll
+    out themselves, each with a whole bf16 copy of the model and the KV cache beside its training
+    state; models_in_ranks: more whole models every rank holds (judges, teachers not served).
+    weight_sync: one bf16 version, each trainer GPU sending its share, each server GPU receiving
+    what it serves, at plan.sync_gb_per_s per GPU."""
     from dataclasses import replace
 
     r = memory_plan(cfg, replace(plan, nodes=1, gpus_per_node=trainer_gpus, zero_stage=zero_stage, ep=ep,
                                  optimizer="adamw"))
     total = param_counts(cfg).total_with_mtp
     kv = kv_cache_bytes_per_token(cfg) * plan.rollout_tokens
-    reserve = plan.reserve_gb * GB
     cap = plan.gpu_mem_gb * GB
-    trainer = r["bytes"]["rl_training_total"]
+    b = r["bytes"]
     in_ranks = (2 * total + kv if generates else 0) + 2 * total * models_in_ranks   # engine copy, judges, teachers
-    out = {"trainer": {"gpus": trainer_gpus, "zero_stage": zero_stage, "ep": ep, "bytes_per_gpu": trainer + in_ranks,
-                       "generates": generates, "fits": trainer + in_ranks <= cap},
-           "servers": {name: {"replicas": n, "gpus_per_replica": 1, "bytes_per_gpu": 2 * total + kv + reserve,
-                              "fits": 2 * total + kv + reserve <= cap} for name, n in servers.items()}}
-    version = 2 * total                                   # one policy version in bf16
-    out["weight_sync"] = {"version_bytes": version, "send_bytes_per_trainer_gpu": version / trainer_gpus,
-                          "seconds": version / (plan.sync_gb_per_s * 1e9)}   # a server receives it whole
+    parts = {"weights": b["parameters"], "gradients": b["gradients"],
+             "optimizer": b["master_weights"] + b["optimizer_states"], "activations": b["activations"],
+             "reserve": b["reserve"], "whole_models": in_ranks}
+    trainer = sum(parts.values())
+    out = {"trainer": {"gpus": trainer_gpus, "zero_stage": zero_stage, "ep": ep, "bytes": parts,
+                       "bytes_per_gpu": trainer, "generates": generates, "fits": trainer <= cap},
+           "servers": {name: server_pool_memory(cfg, plan, pool) for name, pool in servers.items()}}
+    version = 2 * total
+    send = version / trainer_gpus
+    receive = max((sv["receive_bytes_per_gpu"] for sv in out["servers"].values()), default=0.0)
+    out["weight_sync"] = {"version_bytes": version, "send_bytes_per_trainer_gpu": send,
+                          "receive_bytes_per_server_gpu": receive, "gb_per_s": plan.sync_gb_per_s,
+                          "seconds": max(send, receive) / (plan.sync_gb_per_s * 1e9)}
+    out["gpus"] = trainer_gpus + sum(sv["gpus"] for sv in out["servers"].values())
     out["fits"] = out["trainer"]["fits"] and all(v["fits"] for v in out["servers"].values())
     return out
 

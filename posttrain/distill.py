@@ -300,7 +300,8 @@ def train(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir, ranks: 
         if served:
             for name, path in teacher_files.items():
                 pool = stack.enter_context(ServedEngine(None, tokenizer, stop_ids, pad_id, cfg.teacher_servers,
-                                                        workdir.checkpoint / "teachers" / name, ranks=ranks))
+                                                        workdir.checkpoint / "teachers" / name, ranks=ranks,
+                                                        model=state_config(path)))
                 pool.serve_file(path)
                 teachers[name] = pool
         trainer.run_steps("distill", policy, one_step, start=start, steps=cfg.steps, root=root, log_path=log_path,

@@ -47,7 +47,7 @@ from domains.pools import gsm8k_tasks, mbpp_tasks
 from domains.task import Task
 from domains.tools import CALCULATOR
 from glmforge.stage import Workdir
-from model.hf import artifact_weights, load_state
+from model.hf import artifact_weights, load_state, state_config
 from quant.qat import QATConfig
 from rl import gates, trainer
 from rl.algorithms import AdvantageName, PolicyLossName
@@ -131,6 +131,9 @@ class RLGeneralConfig(BaseModel):
     @model_validator(mode="after")
     def _placement(self) -> "RLGeneralConfig":
         check_placement("rl-general", self.parallel, self.rollout.backend)
+        if self.judge_servers.engine == "vllm" and self.weights.get("orm", 0) > 0:
+            raise ValueError("rl_general.judge_servers.engine=vllm: the ORM (a scalar head on the backbone) is served "
+                             "by native servers only; use engine: native, or weights.orm: 0")
         return self
 
     @field_validator("prompts")
@@ -278,9 +281,9 @@ def serve_judges(cfg: RLGeneralConfig, inputs: dict[str, Path], tokenizer, stop_
     ORM scores on a served reward model."""
     from rl.orm import load_info
 
-    def pool(name: str) -> ServedEngine:
+    def pool(name: str, model=None) -> ServedEngine:
         return stack.enter_context(ServedEngine(None, tokenizer, stop_ids, pad_id, cfg.judge_servers, root / name,
-                                                ranks=ranks))
+                                                ranks=ranks, model=model))
 
     out: dict[str, Judge] = {}
     if cfg.weights.get("orm", 0) > 0:
@@ -289,8 +292,9 @@ def serve_judges(cfg: RLGeneralConfig, inputs: dict[str, Path], tokenizer, stop_
         orm.serve_orm(inputs["reward-model"])
         out["orm"] = orm_judge(orm, tokenizer, int(info["max_len"]), info["score_mean"], info["score_std"])
     if cfg.weights.get("grm", 0) > 0:
-        grm = pool("grm")
-        grm.serve_file(artifact_weights(inputs["sft"], "sft"))
+        weights = artifact_weights(inputs["sft"], "sft")
+        grm = pool("grm", state_config(weights))
+        grm.serve_file(weights)
         out["grm"] = grm_judge(grm, tokenizer, cfg.grm_scoring, cfg.grm_max_new_tokens, cfg.grm_min_number_mass)
     return out
 

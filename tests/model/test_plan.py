@@ -118,21 +118,47 @@ def test_cli_prints_the_plan_and_refuses_what_does_not_fit():
 
 def test_rl_pools_size_ranks_that_only_train_beside_servers():
     """glm5 on the shipped plan's GPUs: its RL trainer fits a 141 GB GPU with the experts sharded
-    over 64 ranks when rollouts are served (105 GB: AdamW's two moments), not when every rank
-    also holds a whole model to generate with; a native server replica (a whole model on one GPU)
-    does not fit, and the CLI lists every RL-side stage as the preset places it."""
-    from model.info import rl_pools
+    over 64 ranks when rollouts are served (105 GB on 1024 ranks: AdamW's two moments), not when
+    every rank also holds a whole model to generate with; a one-GPU server replica (the whole
+    model) does not fit, a 64-GPU expert-parallel replica does, and the CLI lists every RL-side
+    stage as the preset places it, each pool within the GPU."""
+    from model.info import ServerPool, rl_pools
 
     plan = load_config("glm5").plan
     cfg, p = plan.model(), plan.plan()
-    served = rl_pools(cfg, p, 1024, 2, 64, {"rollouts": 16}, generates=False)
-    assert served["trainer"]["fits"] and 100 * GB < served["trainer"]["bytes_per_gpu"] < 110 * GB
-    assert not served["servers"]["rollouts"]["fits"] and served["servers"]["rollouts"]["bytes_per_gpu"] > 1400 * GB
+    whole = rl_pools(cfg, p, 1024, 2, 64, {"rollouts": ServerPool(16)}, generates=False)
+    assert whole["trainer"]["fits"] and 100 * GB < whole["trainer"]["bytes_per_gpu"] < 110 * GB
+    assert not whole["servers"]["rollouts"]["fits"] and whole["servers"]["rollouts"]["bytes_per_gpu"] > 1400 * GB
+    sharded = rl_pools(cfg, p, 512, 2, 64, {"rollouts": ServerPool(8, 64, 8, 64)}, generates=False)
+    pool = sharded["servers"]["rollouts"]
+    assert pool["fits"] and pool["gpus"] == 512 and sharded["gpus"] == 1024
+    assert pool["bytes"]["kv_cache"] == p.rollout_tokens * 109824          # glm5's latent + indexer key
+    fp8 = rl_pools(cfg, p, 512, 2, 64, {"rollouts": ServerPool(8, 64, 8, 64, weight_bytes=1.0)}, generates=False)
+    assert fp8["servers"]["rollouts"]["bytes"]["weights"] == pool["bytes"]["weights"] / 2
+    # a server GPU receives the dense weights and its own experts' shards, not the whole version
+    assert sharded["weight_sync"]["receive_bytes_per_server_gpu"] < sharded["weight_sync"]["version_bytes"] / 20
     in_ranks = rl_pools(cfg, p, 1024, 2, 1, {}, generates=True, models_in_ranks=3)
     assert not in_ranks["trainer"]["fits"]
     assert in_ranks["trainer"]["bytes_per_gpu"] > rl_pools(cfg, p, 1024, 2, 1, {}, generates=True)["trainer"]["bytes_per_gpu"]
-    assert served["weight_sync"]["send_bytes_per_trainer_gpu"] * 1024 == served["weight_sync"]["version_bytes"]
+    assert whole["weight_sync"]["send_bytes_per_trainer_gpu"] * 1024 == whole["weight_sync"]["version_bytes"]
     out = CliRunner().invoke(app, ["model", "info", "--preset", "glm5", "--plan", "128x8"]).output
     for stage in ("rl-reasoning", "rl-agentic", "reward-model", "rl-general", "distill"):
         assert f"    {stage}" in out
-    assert "DOES NOT FIT" in out and "ranks only train" in out       # reward-model generates nothing
+    assert "DOES NOT FIT" not in out and "ranks that only train" in out and "teacher rl-agentic: 1 replica" in out
+
+
+def test_an_rl_layout_that_does_not_fit_is_refused_at_load_naming_the_pool():
+    from glmforge.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"rl-reasoning: the rollouts pool \(8 x 8 GPUs, ep 8\) needs 2.?\d\d\.\d "
+                                          r"GB per GPU .*> 141 GB"):
+        load_config("glm5", overrides=["rl_reasoning.rollout.servers.gpus_per_replica=8",
+                                       "rl_reasoning.rollout.servers.expert_parallel=8"])
+    with pytest.raises(ConfigError, match=r"rl-agentic: the trainer pool \(512 GPUs, ZeRO-2, ep 8\) needs"):
+        load_config("glm5", overrides=["rl_agentic.parallel.expert_parallel=8"])
+    with pytest.raises(ConfigError, match="distill: its pools need 1088 GPUs .*the plan has 1024"):
+        load_config("glm5", overrides=["distill.rollout.servers.replicas=6"])
+    with pytest.raises(ConfigError, match="expert_parallel=24 does not divide gpus_per_replica=64"):
+        load_config("glm5", overrides=["rl_general.judge_servers.expert_parallel=24"])
+    with pytest.raises(ConfigError, match="the ORM .* is served by native servers only"):
+        load_config("glm5", overrides=["rl_general.weights.orm=1.0"])

@@ -1,0 +1,85 @@
+"""Where an RL-side stage's work runs, sized: its trainer pool (the ranks of `parallel`) and its
+server pools (the rollouts' `rollout.servers`, rl-general's `judge_servers` per judge, distill's
+`teacher_servers` per teacher), by model.info.rl_pools under a cluster plan (a config's `plan:`).
+A config with a plan is refused at load when a pool of one of its stages does not fit a GPU
+(glmforge.config), so a layout that cannot run never starts."""
+from __future__ import annotations
+
+from typing import Any
+
+from model.config import ModelConfig
+from model.info import GB, Plan, ServerPool, rl_pools
+
+RL_STAGES = ("rl_reasoning", "rl_agentic", "reward_model", "rl_general", "distill")
+
+
+def _pool(cfg: Any) -> ServerPool:
+    return ServerPool(replicas=len(cfg.urls) or cfg.replicas, gpus_per_replica=cfg.gpus_per_replica,
+                      data_parallel=cfg.data_parallel, expert_parallel=cfg.expert_parallel,
+                      weight_bytes=1.0 if cfg.weights == "fp8" else 2.0)
+
+
+def stage_pools(section: Any, model: ModelConfig, plan: Plan) -> dict:
+    """rl_pools for one stage's config section, as the section places its work."""
+    rollout = getattr(section, "rollout", None)
+    servers: dict[str, ServerPool] = {}
+    held = 0                        # judges and teachers each rank loads when they are not served
+    served = rollout is not None and rollout.backend == "served"
+    judges = [j for j in ("grm", "orm") if getattr(section, "weights", {}).get(j, 0) > 0] \
+        if hasattr(section, "judge_servers") else []
+    teachers = list(getattr(section, "teachers", []) or [])
+    if served:
+        servers["rollouts"] = _pool(rollout.servers)
+        servers.update({f"judge {j}": _pool(section.judge_servers) for j in judges})
+        servers.update({f"teacher {t}": _pool(section.teacher_servers) for t in teachers})
+    else:
+        held = len(judges) + len(teachers)
+    par = section.parallel
+    out = rl_pools(model, plan, par.launch.world_size, par.zero_stage, par.expert_parallel, servers,
+                   generates=rollout is not None and rollout.backend == "native", models_in_ranks=held)
+    if rollout is not None and rollout.backend == "vllm":
+        out["note"] = "rollouts on vLLM servers reloaded from a whole-model export (sized by vLLM, not here)"
+    return out
+
+
+def config_pools(config: Any) -> dict[str, dict]:
+    """stage_pools of every RL-side stage of a pipeline config with a `plan:` ({} without one)."""
+    if getattr(config, "plan", None) is None:
+        return {}
+    model, plan = config.plan.model(), config.plan.plan()
+    out = {}
+    for stage in RL_STAGES:
+        section = getattr(config, stage, None)
+        if section is None:
+            continue
+        try:
+            out[stage.replace("_", "-")] = stage_pools(section, model, plan)
+        except ValueError as e:          # a trainer layout the model cannot take (ep vs experts)
+            out[stage.replace("_", "-")] = {"error": str(e)}
+    return out
+
+
+def not_fitting(pools: dict[str, dict], gpu_mem_gb: int, gpus: int) -> list[str]:
+    """One line per pool that does not fit a `gpu_mem_gb` GPU, naming the stage, the pool and its
+    GB per GPU, and per stage whose pools together need more than the plan's `gpus`."""
+    lines = []
+    for stage, pl in pools.items():
+        if "error" in pl:
+            lines.append(f"{stage}: {pl['error']}")
+            continue
+        if pl["gpus"] > gpus:
+            lines.append(f"{stage}: its pools need {pl['gpus']} GPUs (trainer {pl['trainer']['gpus']}"
+                         + "".join(f", {n} {sv['gpus']}" for n, sv in pl["servers"].items())
+                         + f"), the plan has {gpus}")
+        t = pl["trainer"]
+        if not t["fits"]:
+            why = ", ".join(f"{k.replace('_', ' ')} {v / GB:,.1f}" for k, v in t["bytes"].items() if v)
+            lines.append(f"{stage}: the trainer pool ({t['gpus']} GPUs, ZeRO-{t['zero_stage']}, ep {t['ep']}) needs "
+                         f"{t['bytes_per_gpu'] / GB:,.1f} GB per GPU ({why}) > {gpu_mem_gb} GB")
+        for name, sv in pl["servers"].items():
+            if not sv["fits"]:
+                why = ", ".join(f"{k.replace('_', ' ')} {v / GB:,.1f}" for k, v in sv["bytes"].items())
+                lines.append(f"{stage}: the {name} pool ({sv['replicas']} x {sv['gpus_per_replica']} GPUs, ep "
+                             f"{sv['expert_parallel']}) needs {sv['bytes_per_gpu'] / GB:,.1f} GB per GPU ({why}) > "
+                             f"{gpu_mem_gb} GB")
+    return lines
