@@ -582,6 +582,58 @@ def vllm_glm(ctx: Context) -> None:
         raise CheckFailed(f"vLLM's log-probs differ from the trainer's by {sum(d) / len(d):.4f} on average")
 
 
+def vllm_served(ctx: Context) -> None:
+    """The served pool on vLLM's GPU path (rl.served_vllm, engine: vllm, checkpoint glm_moe_dsa):
+    a replica started on a config-only folder loads a version the trainer published in buckets as
+    2 expert-parallel ranks would (expert shards), then a delta on it, through the worker
+    extension; its tokens carry the version, its log-probs match our forward on the same GPU."""
+    import torch
+
+    from domains.task import Task
+    from model.config import tiny
+    from model.model import GLMModel
+    from rl.rollout import SamplingParams
+    from rl.sample import Sample
+    from rl.served import ServedEngine, ServerPoolConfig
+    from rl.update import recompute_old_logprobs
+
+    class _Bytes:
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(i % 256 for i in ids).decode("latin-1")
+
+    torch.manual_seed(0)
+    cfg = tiny().replace(vocab_size=256, hidden_size=256, num_layers=3, kv_lora_rank=512, qk_rope_head_dim=64,
+                         index_head_dim=64, index_topk=32, mtp_depth=0)
+    model = GLMModel(cfg)
+    pool = ServerPoolConfig(engine="vllm", replicas=1, startup_timeout_s=max(ctx.remaining() - 60, 30),
+                            vllm={"python": sys.executable, "dtype": "float32", "max_model_len": 512,
+                                  "checkpoint": "glm_moe_dsa", "env": {}})
+    task = Task("bytes", "", "")
+    prompts = [[(7 * g + i) % 256 for i in range(96)] for g in range(8)]
+    t0 = time.perf_counter()
+    with ServedEngine(model, _Bytes(), [], 0, pool, ctx.out / "vllm_served") as engine:
+        ctx.record(startup_s=round(time.perf_counter() - t0, 1))
+        engine.sync(model, 1)
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                if i % 2 == 0:
+                    p.add_(0.01 * torch.randn_like(p))
+        engine.sync(model, 2)                                  # a delta, applied in vLLM's worker
+        m = engine.metrics()
+        ctx.record(delta_bytes=m["sync/bytes"], full_bytes=m["sync/full_bytes"], sync_s=round(m["sync/seconds"], 2))
+        samples = [Sample(task, g, p) for g, p in enumerate(prompts) for _ in range(4)]
+        engine.generate(samples, SamplingParams(1.0, 1.0, 64), torch.Generator().manual_seed(0))
+    model.to(ctx.device)
+    recompute_old_logprobs(model, samples, 0, 1.0)
+    d = [abs(a - b) for s in samples for a, b in zip(s.rollout_logprobs, s.train_logprobs)]
+    ctx.record(mean_abs_dlogp=round(sum(d) / len(d), 5), max_abs_dlogp=round(max(d), 4),
+               versions=sorted({v for s in samples for v in s.versions}))
+    if {v for s in samples for v in s.versions} != {2} or m["sync/delta"] != 1.0:
+        raise CheckFailed("the replica did not serve the delta version 2")
+    if sum(d) / len(d) > 0.02:
+        raise CheckFailed(f"the served replica's log-probs differ from the trainer's by {sum(d) / len(d):.4f}")
+
+
 SECTIONS: list[Section] = [
     Section("environment", "Environment and installs", False, 30, ("torch",), environment),
     Section("kernel_tests", "Triton kernel tests compiled on CUDA", True, 110,
@@ -597,6 +649,8 @@ SECTIONS: list[Section] = [
     # opt-in (--sections vllm_glm), where vLLM is installed on the device; never installed by --install
     Section("vllm_glm", "GLM-5 checkpoint (DSA) on vLLM: versions, weight update, parity", True, 300,
             ("torch", "vllm", "pydantic", "safetensors"), vllm_glm, default=False),
+    Section("vllm_served", "vLLM as a served pool: bucketed versions, a delta, parity (GLM-5 checkpoint)", True,
+            300, ("torch", "vllm", "pydantic", "safetensors", "zstandard"), vllm_served, default=False),
 ]
 
 

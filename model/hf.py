@@ -121,6 +121,16 @@ def to_hf_state_dict(model: GLMModel, expert_layout: str = "packed") -> dict[str
     return hf_tensors(model.state_dict(), model.config, expert_layout)
 
 
+def _hf_key(name: str, L: int) -> str:
+    if name == "lm_head.weight":
+        return name
+    if name.startswith("mtp.block."):
+        return f"model.layers.{L}." + name[len("mtp.block."):]
+    if name.startswith("mtp."):
+        return f"model.layers.{L}." + name[len("mtp."):]
+    return "model." + name
+
+
 def hf_tensors(state: Mapping[str, torch.Tensor], cfg: ModelConfig, expert_layout: str = "packed"
                ) -> dict[str, torch.Tensor]:
     """Our state dict (GLMModel.state_dict() names) under the HF checkpoint's names."""
@@ -129,38 +139,43 @@ def hf_tensors(state: Mapping[str, torch.Tensor], cfg: ModelConfig, expert_layou
     L = cfg.num_layers
     out = {}
     for name, t in state.items():
-        if name == "lm_head.weight":
-            key = name
-        elif name.startswith("mtp.block."):
-            key = f"model.layers.{L}." + name[len("mtp.block."):]
-        elif name.startswith("mtp."):
-            key = f"model.layers.{L}." + name[len("mtp."):]
+        if expert_layout == "per_expert" and name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            out.update(hf_expert_piece(name, t, 0, cfg))
         else:
-            key = "model." + name
-        out[key] = t.detach().contiguous().clone()
+            out[_hf_key(name, L)] = t.detach().contiguous().clone()
     if cfg.mtp_depth:
         out[f"model.layers.{L}.embed_tokens.weight"] = out["model.embed_tokens.weight"].clone()
         out[f"model.layers.{L}.shared_head.head.weight"] = out["lm_head.weight"].clone()
     if cfg.tie_word_embeddings:
         out.pop("lm_head.weight")
-    if expert_layout == "per_expert":
-        for key in [k for k in out if k.endswith("mlp.experts.gate_up_proj")]:
-            base = key[: -len("gate_up_proj")]
-            gate_up, down = out.pop(key), out.pop(base + "down_proj")
-            for e in range(gate_up.shape[0]):
-                gate, up = gate_up[e].chunk(2, dim=0)
-                out[f"{base}{e}.gate_proj.weight"] = gate.contiguous()
-                out[f"{base}{e}.up_proj.weight"] = up.contiguous()
-                out[f"{base}{e}.down_proj.weight"] = down[e].contiguous()
+    return out
+
+
+def hf_expert_piece(name: str, t: torch.Tensor, first: int, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Per-expert HF tensors of packed experts (`name` ends in experts.gate_up_proj [n, 2I, D] or
+    experts.down_proj [n, D, I]) that are experts first .. first + n - 1 (an expert-parallel shard)."""
+    base, which = _hf_key(name, cfg.num_layers).rsplit(".", 1)
+    out = {}
+    for j in range(t.shape[0]):
+        e = first + j
+        if which == "gate_up_proj":
+            gate, up = t[j].chunk(2, dim=0)
+            out[f"{base}.{e}.gate_proj.weight"] = gate.contiguous()
+            out[f"{base}.{e}.up_proj.weight"] = up.contiguous()
+        else:
+            out[f"{base}.{e}.down_proj.weight"] = t[j].contiguous()
     return out
 
 
 def dense_mla_tensors(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The tensors of `to_dense_mla_config`'s checkpoint: the trunk only (indexers and MTP
     dropped), one tensor per expert, the layout inference engines load."""
+    return dense_mla_only(hf_tensors(state, cfg, "per_expert"), cfg)
+
+
+def dense_mla_only(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     L = cfg.num_layers
-    return {k: v for k, v in hf_tensors(state, cfg, "per_expert").items()
-            if ".indexer." not in k and not k.startswith(f"model.layers.{L}.")}
+    return {k: v for k, v in tensors.items() if ".indexer." not in k and not k.startswith(f"model.layers.{L}.")}
 
 
 def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

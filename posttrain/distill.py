@@ -225,6 +225,8 @@ def recovery(teacher: dict[str, float], before: dict[str, float], after: dict[st
 
 # ---------------------------------------------------------------- the stage
 def run_distill(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
+    for name in cfg.teachers:            # a teacher missing its weights: one line before any rank or server starts
+        artifact_weights(inputs[name], name)
     if cfg.parallel.launch.world_size > 1:
         from rl.launch import run_on_ranks
 

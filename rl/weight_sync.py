@@ -40,10 +40,11 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 import zstandard
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from glmforge.store.manifest import sha256_file
@@ -214,67 +215,115 @@ def chain(root: Path, version: int) -> list[int]:
     return out[::-1]
 
 
+@dataclass
+class Pieces:
+    """Published pieces of one version as a reader holds them: piece id -> tensor (a whole
+    tensor, or one expert shard), and each piece's (tensor name, shard or None)."""
+    tensors: dict[str, torch.Tensor]
+    where: dict[str, tuple[str, Optional[tuple[int, int]]]]
+
+    def whole(self) -> dict[str, torch.Tensor]:
+        """The state dict: expert shards joined (IncompleteVersion when one is missing)."""
+        state: dict[str, torch.Tensor] = {}
+        parts: dict[str, dict[int, torch.Tensor]] = {}
+        counts: dict[str, int] = {}
+        for pid, t in self.tensors.items():
+            name, shard = self.where[pid]
+            if shard is None:
+                state[name] = t
+            else:
+                parts.setdefault(name, {})[shard[0]] = t
+                counts[name] = shard[1]
+        for name, got in parts.items():
+            if sorted(got) != list(range(counts[name])):
+                raise IncompleteVersion(f"{name}: expert shards {sorted(got)} of {counts[name]} published")
+            state[name] = torch.cat([got[i] for i in range(counts[name])])
+        return state
+
+
+Want = Callable[[str, Optional[tuple[int, int]]], bool]
+
+
 def load_version(root: Path, version: int, held: Optional[tuple[int, Mapping[str, torch.Tensor]]] = None
                  ) -> tuple[str, dict[str, torch.Tensor], int]:
     """(model config JSON, the whole state dict, bytes read) of a complete version, every bucket
     verified; IncompleteVersion / CorruptBucket otherwise (nothing is applied). held=(version,
     state): what the reader holds, on which a delta applies; without it, or when the delta names
     another base, the base is rebuilt from its chain."""
+    base = None
+    if held is not None:
+        state = held[1]
+        base = (held[0], lambda name, shard: _piece(state, name, shard))
+    config, pieces, moved = load_pieces(root, version, base)
+    return config, pieces.whole(), moved
+
+
+def load_pieces(root: Path, version: int, held: Optional[tuple[int, Callable]] = None, want: Optional[Want] = None
+                ) -> tuple[str, Pieces, int]:
+    """(model config JSON, the pieces of a complete version `want` asks for, bytes read): a
+    server that holds only some experts reads only the buckets that hold them, each piece checked
+    against its manifest's checksum (a whole bucket read whole: its sha256). held=(version,
+    base(name, shard) -> the piece it holds): the base a delta applies on; without it, or when the
+    delta names another base, the base is rebuilt from its chain."""
     d = version_dir(root, version)
     found = manifests(root, version)
     base_version = base_of(root, version)
-    base: Optional[Mapping[str, torch.Tensor]] = None
+    base: Optional[Callable] = None
     moved = 0
     if base_version is not None:
         if held is not None and held[0] == base_version:
             base = held[1]
         else:
-            _, base, moved = load_version(root, base_version, held)
-    state: dict[str, torch.Tensor] = {}
-    parts: dict[str, dict[int, torch.Tensor]] = {}
-    counts: dict[str, int] = {}
+            _, rebuilt, moved = load_pieces(root, base_version, held, want)
+            base = lambda name, shard: rebuilt.tensors[piece_id(name, shard)]   # noqa: E731
+    out = Pieces({}, {})
     for m in found:
         if m["version"] != version:
             raise CorruptBucket(f"{d}/rank{m['rank']:05d}.json says version {m['version']}, expected {version}")
+        shards = {k: tuple(v) for k, v in m["shards"].items()}
+        sums = m.get("checksums", {})
         for b in m["buckets"]:
             path = d / b["file"]
-            if not path.is_file() or sha256_file(path) != b["sha256"]:
+            wanted = [n for n in b["tensors"] if want is None or want(n, shards.get(n))]
+            if not wanted:
+                continue
+            partial = len(wanted) < len(b["tensors"]) and "lengths" not in b
+            if not path.is_file() or (not partial and sha256_file(path) != b["sha256"]):
                 raise CorruptBucket(f"{path}: missing, or its sha256 differs from rank {m['rank']}'s manifest")
             if "lengths" in b:
-                tensors = _undelta(path, b, base, m["shards"])
+                tensors = _undelta(path, b, base, shards, set(wanted))
+            elif partial:
+                with safe_open(str(path), framework="pt") as fh:
+                    if sorted(fh.keys()) != b["tensors"]:
+                        raise CorruptBucket(f"{path} holds {sorted(fh.keys())[:4]}..., its manifest lists "
+                                            f"{b['tensors'][:4]}...")
+                    tensors = {n: fh.get_tensor(n) for n in wanted}
             else:
                 tensors = load_file(str(path))
-            if sorted(tensors) != b["tensors"]:
-                raise CorruptBucket(f"{path} holds {sorted(tensors)[:4]}..., its manifest lists {b['tensors'][:4]}...")
-            moved += b["bytes"]
-            for name, t in tensors.items():
-                # a whole bucket's bytes are its sha256's; a delta's result is checked piece by piece
-                want = m.get("checksums", {}).get(piece_id(name, m["shards"].get(name))) if "lengths" in b else None
-                if want is not None and checksum(t) != want:
+                if sorted(tensors) != b["tensors"]:
+                    raise CorruptBucket(f"{path} holds {sorted(tensors)[:4]}..., its manifest lists "
+                                        f"{b['tensors'][:4]}...")
+            moved += sum(tensors[n].numel() * tensors[n].element_size() for n in wanted) if partial else b["bytes"]
+            for name in wanted:
+                t, pid = tensors[name], piece_id(name, shards.get(name))
+                # a whole bucket's bytes are its sha256's; a delta's or a partly read bucket's
+                # result is checked piece by piece
+                if (partial or "lengths" in b) and pid in sums and checksum(t) != sums[pid]:
                     raise CorruptBucket(f"{path}: {name} does not match its checksum in rank {m['rank']}'s manifest "
                                         f"(a delta applied to another base?)")
-                if name in m["shards"]:
-                    index, count = m["shards"][name]
-                    parts.setdefault(name, {})[index] = t
-                    counts[name] = count
-                elif name in state:
+                if pid in out.tensors:
                     raise CorruptBucket(f"{name} is published twice (again by rank {m['rank']})")
-                else:
-                    state[name] = t
-    for name, got in parts.items():
-        if sorted(got) != list(range(counts[name])):
-            raise IncompleteVersion(f"{name}: expert shards {sorted(got)} of {counts[name]} published")
-        state[name] = torch.cat([got[i] for i in range(counts[name])])
-    return found[0]["config"], state, moved
+                out.tensors[pid], out.where[pid] = t, (name, shards.get(name))
+    return found[0]["config"], out, moved
 
 
-def _piece(state: Mapping[str, torch.Tensor], name: str, shard: Optional[list[int]]) -> torch.Tensor:
+def _piece(state: Mapping[str, torch.Tensor], name: str, shard: Optional[Sequence[int]]) -> torch.Tensor:
     t = state[name]
     return t if shard is None else t.chunk(shard[1])[shard[0]]
 
 
-def _undelta(path: Path, bucket: dict, base: Optional[Mapping[str, torch.Tensor]],
-             shards: Mapping[str, list[int]]) -> dict[str, torch.Tensor]:
+def _undelta(path: Path, bucket: dict, base: Optional[Callable], shards: Mapping[str, tuple[int, int]],
+             wanted: set[str]) -> dict[str, torch.Tensor]:
     if base is None:
         raise CorruptBucket(f"{path} is a delta but its version names no base")
     raw = torch.frombuffer(bytearray(zstandard.ZstdDecompressor().decompress(path.read_bytes())), dtype=torch.uint8)
@@ -283,15 +332,30 @@ def _undelta(path: Path, bucket: dict, base: Optional[Mapping[str, torch.Tensor]
                             f"{sum(bucket['lengths'])}")
     out, at = {}, 0
     for name, n in zip(bucket["tensors"], bucket["lengths"]):
-        if name not in base:
-            raise CorruptBucket(f"{path}: {name} has no base tensor to apply its delta to")
-        old = _piece(base, name, shards.get(name)).contiguous()
-        if _raw(old).numel() != n:
-            raise CorruptBucket(f"{path}: {name}'s delta is {n} bytes, its base {_raw(old).numel()}")
-        new = torch.bitwise_xor(raw[at:at + n], _raw(old))
-        out[name] = new.view(old.dtype).reshape(old.shape).clone()
+        if name in wanted:
+            try:
+                old = base(name, shards.get(name)).contiguous()
+            except KeyError:
+                raise CorruptBucket(f"{path}: {name} has no base tensor to apply its delta to") from None
+            if _raw(old).numel() != n:
+                raise CorruptBucket(f"{path}: {name}'s delta is {n} bytes, its base {_raw(old).numel()}")
+            new = torch.bitwise_xor(raw[at:at + n], _raw(old))
+            out[name] = new.view(old.dtype).reshape(old.shape).clone()
         at += n
     return out
+
+
+def expert_selector(local: Mapping[str, Optional[set[int]]], n_experts: int) -> Want:
+    """`want` for load_pieces on an engine that serves some of the `n_experts` routed experts:
+    every piece except the expert shards that hold none of their layer's local experts. local:
+    the module prefix of each MoE's packed experts ('layers.3.mlp.experts') -> the global expert
+    ids served here (None: all); shard k of R holds experts [k E/R, (k+1) E/R)."""
+    def want(name: str, shard: Optional[tuple[int, int]]) -> bool:
+        ids = local.get(name.rsplit(".", 1)[0])
+        if shard is None or ids is None:
+            return True
+        return any(e * shard[1] // n_experts == shard[0] for e in ids)
+    return want
 
 
 def expected_checksums(root: Path, version: int) -> dict[str, str]:

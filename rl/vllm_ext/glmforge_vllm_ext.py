@@ -70,14 +70,20 @@ class WeightUpdate:
 
     # ---------------------------------------------------------------- the served protocol's loads
     def glmforge_load_version(self, root: str, version: str, checkpoint: str, int4: str = "") -> dict:
-        """Policy version `version` as the trainer's ranks published it under `root` (a delta
-        applies on the version this worker holds), into the served model; the worker keeps our
-        state dict of it for the next delta and for `glmforge_checksums`."""
+        """Policy version `version` as the trainer's ranks published it under `root`, into the
+        served model: only the pieces this worker serves (the dense weights, the expert shards
+        holding its experts), a delta applied on the pieces it holds, which it keeps for the next
+        delta and for `glmforge_checksums`."""
         weight_sync, hf, model_config = _project()
-        config_json, state, _ = weight_sync.load_version(Path(root), int(version),
-                                                         held=getattr(self, "_glmforge_held", None))
-        checked = self._glmforge_take(hf, state, model_config.model_validate_json(config_json), checkpoint, int4)
-        self._glmforge_held = (int(version), state)
+        held = getattr(self, "_glmforge_held", None)
+        base = None
+        if held is not None:
+            pieces = held[1].tensors
+            base = (held[0], lambda name, shard: pieces[weight_sync.piece_id(name, shard)])
+        config_json, pieces, _ = weight_sync.load_pieces(Path(root), int(version), base, self._glmforge_want())
+        cfg = model_config.model_validate_json(config_json)
+        checked = self._glmforge_take(hf, pieces, cfg, checkpoint, int4)
+        self._glmforge_held = (int(version), pieces)
         return {"version": int(version), "checked": checked}
 
     def glmforge_load_file(self, path: str, checkpoint: str, int4: str = "") -> dict:
@@ -87,31 +93,56 @@ class WeightUpdate:
 
         weight_sync, hf, _ = _project()
         state = load_file(path)
-        checked = self._glmforge_take(hf, state, hf.state_config(path), checkpoint, int4)
-        self._glmforge_held = (0, state)
+        pieces = weight_sync.Pieces(state, {k: (k, None) for k in state})
+        checked = self._glmforge_take(hf, pieces, hf.state_config(path), checkpoint, int4)
+        self._glmforge_held = (0, pieces)
         return {"version": 0, "checked": checked}
 
     def glmforge_checksums(self, root: str = "", version: str = "") -> dict:
-        """Checksums of what this worker loaded last: per published piece of `version` under
-        `root` (rl.weight_sync.checksums), or per tensor of a loaded state file."""
+        """Checksums of the pieces this worker loaded last (the server's owner joins its
+        workers' and compares them with what the version's manifests list)."""
         weight_sync, _, _ = _project()
         held = getattr(self, "_glmforge_held", None)
         if held is None:
             return {"version": None, "checksums": {}}
-        if root:
-            return {"version": held[0], "checksums": weight_sync.checksums(held[1], Path(root), int(version))}
-        return {"version": held[0], "checksums": {k: weight_sync.checksum(v) for k, v in held[1].items()}}
+        return {"version": held[0], "checksums": {k: weight_sync.checksum(t) for k, t in held[1].tensors.items()}}
 
-    def _glmforge_take(self, hf, state: dict, cfg, checkpoint: str, int4: str) -> int:
-        """Reload the served model from our state dict (INT4 rollouts: fake-quantized as the
-        native engine's copy is), then read back every served parameter that holds a checkpoint
-        tensor as it is (the same name and shape: embeddings, norms, unsharded projections) and
-        refuse one that differs; returns how many were compared."""
+    def _glmforge_want(self):
+        """load_pieces' filter: the global ids of the experts this worker's MoE layers hold (vLLM's
+        expert map under expert parallelism; every expert without it)."""
+        weight_sync, _, _ = _project()
+        local, n_experts = {}, 0
+        for module in self.model_runner.get_model().modules():
+            manager, name = getattr(module, "expert_map_manager", None), getattr(module, "layer_name", None)
+            if manager is None or not name:
+                continue
+            n_experts = max(n_experts, int(getattr(module, "global_num_experts", 0)))
+            emap = manager.expert_map
+            ours = name[len("model."):] if name.startswith("model.") else name
+            local[ours] = None if emap is None else set((emap >= 0).nonzero().flatten().tolist())
+        if not n_experts or all(ids is None for ids in local.values()):
+            return None
+        return weight_sync.expert_selector(local, n_experts)
+
+    def _glmforge_take(self, hf, pieces, cfg, checkpoint: str, int4: str) -> int:
+        """Reload the served model from our pieces (INT4 rollouts: fake-quantized as the native
+        engine's copy is), then read back every served parameter that holds a checkpoint tensor
+        as it is (the same name and shape: embeddings, norms, unsharded projections) and refuse
+        one that differs; returns how many were compared."""
+        whole = {n: t for pid, t in pieces.tensors.items() for n, shard in [pieces.where[pid]] if shard is None}
+        shards = [(n, t, shard[0] * t.shape[0]) for pid, t in pieces.tensors.items()
+                  for n, shard in [pieces.where[pid]] if shard is not None]
         if int4:
             from quant.qat import QATConfig, baked_int4_state
 
-            state = baked_int4_state(state, cfg, QATConfig.model_validate_json(int4))
-        tensors = hf.dense_mla_tensors(state, cfg) if checkpoint == "dense_mla" else hf.hf_tensors(state, cfg)
+            q = QATConfig.model_validate_json(int4)
+            whole = baked_int4_state(whole, cfg, q)
+            shards = [(n, baked_int4_state({n: t}, cfg, q)[n], first) for n, t, first in shards]
+        tensors = hf.hf_tensors(whole, cfg, "per_expert")
+        for n, t, first in shards:
+            tensors.update(hf.hf_expert_piece(n, t, first, cfg))
+        if checkpoint == "dense_mla":
+            tensors = hf.dense_mla_only(tensors, cfg)
         self.reload_weights(weights_iterator=iter(list(tensors.items())), is_checkpoint_format=True)
         self._glmforge_repack()
         checked = 0

@@ -126,7 +126,7 @@ def test_a_placement_that_cannot_run_is_refused_before_anything_starts(inputs, t
         RLGeneralConfig(parallel=PLACED)
     # a server URL that does not answer: one line naming it, no rank started
     bad = {"backend": "served", "servers": {"urls": ["http://127.0.0.1:9"], "startup_timeout_s": 2}}
-    with pytest.raises(Exception, match=r"native server 0 at http://127.0.0.1:9 not healthy"):
+    with pytest.raises(Exception, match=r"native server 0 \(http://127.0.0.1:9\) not healthy"):
         run_rl_reasoning(_cfg(rollout=bad), inputs, Workdir.at(tmp_path, seed=3))
 
 
@@ -152,6 +152,12 @@ def test_distill_on_ranks_that_only_train_with_served_teachers_matches_one_proce
                               "teachers_served": True}
     for name in ("sft", "rl-reasoning", "rl-agentic"):
         assert (tmp_path / "placed" / "checkpoint" / "teachers" / name / "server-0.log").exists()
+    # a teacher artifact without its weights: one line naming it, no rank and no server started
+    (chain["rl-agentic"] / "consolidated.safetensors").rename(tmp_path / "moved.safetensors")
+    with pytest.raises(ValueError, match=r"rl-agentic's artifact .* has no consolidated.safetensors"):
+        run_distill(cfg(PLACED), chain, Workdir.at(tmp_path / "missing", seed=0))
+    assert not (tmp_path / "missing" / "checkpoint" / "teachers").exists()
+    (tmp_path / "moved.safetensors").rename(chain["rl-agentic"] / "consolidated.safetensors")
     one = run_distill(cfg({}), chain, Workdir.at(tmp_path / "one", seed=0))
     a, b = _records(tmp_path / "placed"), _records(tmp_path / "one")
     assert [r["response_length"] for r in a] == [r["response_length"] for r in b]

@@ -20,6 +20,7 @@ from rl.served_vllm import layout_args
 from rl.update import recompute_old_logprobs
 from rl.vllm_server import EngineFailed
 from tests.posttrain._chain import make_tokenizer
+from tests.rl.conftest import small_model
 from tests.rl.test_vllm_backend import VLLM_PYTHON, servable_model
 
 
@@ -137,3 +138,16 @@ def test_rl_reasoning_on_two_expert_parallel_ranks_with_a_vllm_pool(tmp_path):
     # the trainer's recomputed log-probs against vLLM's, on the shards it published
     assert all(r["trainer_ranks"] == 2 and r["mismatch/abs_logp"] < 0.02 for r in recs), recs
     assert not _servers_of(tmp_path / "wd")
+
+
+def test_what_vllm_cannot_run_is_refused_before_a_server_starts(tmp_path):
+    tok = make_tokenizer()
+    model = servable_model(tok.get_vocab_size())
+    with pytest.raises(EngineFailed, match="nowhere/python does not exist: run `make vllm-setup`"):
+        ServedEngine(model, tok, [1], 0, ServerPoolConfig(engine="vllm", replicas=1, vllm={"python": "/nowhere/python"}),
+                     tmp_path)
+    with pytest.raises(ValueError, match="vLLM on CPU crashes with expert parallelism"):
+        ServedEngine(model, tok, [1], 0, ServerPoolConfig(engine="vllm", gpus_per_replica=2, expert_parallel=2),
+                     tmp_path)
+    with pytest.raises(ValueError, match="512 \\+ 64"):      # vLLM's CPU MLA: GLM-5's latent sizes only
+        ServedEngine(small_model(64), tok, [1], 0, ServerPoolConfig(engine="vllm"), tmp_path)

@@ -178,3 +178,60 @@ def test_a_delta_must_name_an_earlier_version(tmp_path):
     weight_sync.publish(tmp_path, 3, t)
     with pytest.raises(ValueError, match="cannot be a delta on version 3"):
         weight_sync.publish(tmp_path, 3, t, base=(3, t))
+
+
+def test_an_engine_reads_only_the_expert_shards_it_serves_deltas_included(tmp_path):
+    """An expert-parallel server worker's read (load_pieces + expert_selector): the dense pieces
+    and the shards holding its experts, fewer bytes than the whole version, each piece equal to
+    the published one; a delta applies on the pieces it holds; a partly read bucket whose piece
+    was altered is refused by the piece's checksum."""
+    torch.manual_seed(0)
+    model = small_model(VOCAB)
+    E = model.config.n_routed_experts
+    expert = sorted(k for k in model.state_dict() if ".experts." in k)
+    shards = {k: Shard(0, 4) for k in expert}
+
+    def publish(version, base=None):
+        state, sent = model.state_dict(), []
+        for r in range(4):
+            part = {k: v.clone() for k, v in weight_sync.rank_part(model, r, 4, shards).items()}
+            part.update({k: state[k].chunk(4)[r].clone() for k in expert})         # rank r holds shard r of 4
+            sent.append((part, weight_sync.publish(tmp_path, version, part, rank=r, world=4, bucket_bytes=1 << 20,
+                                                   shards={k: Shard(r, 4) for k in expert},
+                                                   base=None if base is None else (version - 1, base[r]))))
+        return [p for p, _ in sent], sum(s.bytes for _, s in sent)
+
+    v1, _ = publish(1)
+    local = {k.rsplit(".", 1)[0]: set(range(E // 4, 2 * E // 4)) for k in expert}    # shard 1's experts only
+    want = weight_sync.expert_selector(local, E)
+    _, pieces, moved = weight_sync.load_pieces(tmp_path, 1, want=want)
+    _, every, moved_all = weight_sync.load_pieces(tmp_path, 1)
+    assert moved < moved_all
+    sharded = {pid for pid, (_, s) in pieces.where.items() if s is not None}
+    assert sharded == {weight_sync.piece_id(k, (1, 4)) for k in expert}
+    assert all(torch.equal(pieces.tensors[pid], every.tensors[pid]) for pid in pieces.tensors)
+    assert {pid for pid, (_, s) in pieces.where.items() if s is None} == \
+        {pid for pid, (_, s) in every.where.items() if s is None}
+    with pytest.raises(IncompleteVersion):
+        pieces.whole()                                  # three shards of each expert tensor were not read
+
+    _nudge(model)
+    publish(2, base=v1)
+    held = pieces.tensors
+    _, after, _ = weight_sync.load_pieces(tmp_path, 2, (1, lambda n, s: held[weight_sync.piece_id(n, s)]), want)
+    _, rebuilt, _ = weight_sync.load_pieces(tmp_path, 2, want=want)                # its chain, the same filter
+    state = model.state_dict()
+    for pid, t in after.tensors.items():
+        name, shard = after.where[pid]
+        ref = state[name] if shard is None else state[name].chunk(4)[shard[0]]
+        assert torch.equal(t, ref) and torch.equal(rebuilt.tensors[pid], ref), pid
+
+    # a bucket read in part (rank 0's: its dense share and the unwanted shard 0): its sha256 is
+    # not checked, each piece's checksum is
+    target = weight_sync.version_dir(tmp_path, 1) / "rank00000-0000.safetensors"
+    tensors = weight_sync.load_file(str(target))
+    name = next(k for k in sorted(tensors) if ".experts." not in k)
+    tensors[name] = tensors[name] + 1
+    weight_sync.save_file(tensors, str(target))
+    with pytest.raises(CorruptBucket, match=f"{name}.* does not match its checksum"):
+        weight_sync.load_pieces(tmp_path, 1, want=want)
