@@ -26,6 +26,8 @@ schedule_app = typer.Typer(
 app.add_typer(schedule_app, name="schedule")
 deploy_app = typer.Typer(no_args_is_help=True, help="Deployment files rendered from the pipeline config.")
 app.add_typer(deploy_app, name="deploy")
+envs_app = typer.Typer(no_args_is_help=True, help="Software-engineering environments from real repositories.")
+app.add_typer(envs_app, name="envs")
 
 # The CLI sits above the flows: it starts them by entrypoint, the strings prefect.yaml deploys.
 PIPELINE_FLOW, STAGE_FLOW = "flows.end_to_end:pipeline", "flows.end_to_end:stage"
@@ -532,6 +534,41 @@ def curate(
     except KeyboardInterrupt as e:
         _stopped(f"curate {step}", e)
     typer.echo(json.dumps(result, indent=2, sort_keys=True, default=str))
+
+
+@envs_app.command("build")
+def envs_build(
+    out: Path = typer.Option(..., "--out", "-o", help="folder to build in (a killed build resumes there)"),
+    source: Optional[list[str]] = typer.Option(None, "--source", help="a local folder or git checkout (its name: the "
+                                               "folder's); repeat. Default: the preset's swe_envs.sources"),
+    preset: str = typer.Option("tiny", "--preset", help="preset whose swe_envs section gives the defaults"),
+    set_: Optional[list[str]] = typer.Option(None, "--set", help="override within swe_envs, e.g. --set workers=4"),
+) -> None:
+    """Build environments (the swe-envs stage's work) outside the pipeline: per source a report,
+    and the instances its tests verify; the summary is printed as JSON."""
+    from posttrain.swe_envs import SWEEnvsConfig, build_all, summary
+    from rl.swe.sources import Source
+
+    try:
+        section = load_config(preset, overrides=[f"swe_envs.{x}" for x in set_ or []]).swe_envs
+        if source:
+            section = SWEEnvsConfig(**{**section.model_dump(), "sources": [
+                Source(name=Path(s).resolve().name, kind="path", path=str(Path(s).resolve())).model_dump()
+                for s in source]})
+    except (ConfigError, ValueError) as e:
+        _fail(str(e))
+    from glmforge import shutdown
+
+    try:
+        with shutdown.on_stop(shutdown.terminate_children):
+            reports = build_all(section, out, lambda i, n, what: typer.echo(f"[{i}/{n}] {what}", err=True))
+    except KeyboardInterrupt as e:
+        _stopped("envs build", e)
+    for r in reports:
+        if not r["built"]:
+            typer.echo(f"{r['source']}: not built ({r['reason']}): {r.get('detail', '')}", err=True)
+    total = sum(r.get("instances", 0) for r in reports)
+    typer.echo(json.dumps(summary(reports, total, sum(r.get("seconds", 0) for r in reports)), indent=2))
 
 
 ApiOpt = typer.Option(None, "--api", help="Prefect API URL (default: $PREFECT_API_URL, else http://127.0.0.1:4200/api)")

@@ -204,7 +204,17 @@ def _read_layer(path: Path) -> tuple[dict[str, Any], dict[tuple[str, ...], int]]
         raise ConfigError(f"{where}: invalid YAML ({getattr(e, 'problem', e)})") from e
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
-    return data, lines
+    return _unshared(data), lines
+
+
+def _unshared(node: Any) -> Any:
+    """A copy in which no mapping or list is reached twice: a YAML alias (`*anchor`) loads as the
+    anchored object itself, so `--set` on one stage would change every stage sharing it."""
+    if isinstance(node, dict):
+        return {k: _unshared(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_unshared(v) for v in node]
+    return node
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -292,7 +302,8 @@ def check_rl_pools(config: BaseModel, where: str) -> None:
 
     if getattr(config, "plan", None) is None:
         return
-    lines = not_fitting(config_pools(config), config.plan.gpu_mem_gb, config.plan.nodes * config.plan.gpus_per_node)
+    lines = not_fitting(config_pools(config), config.plan.gpu_mem_gb, config.plan.nodes * config.plan.gpus_per_node,
+                        config.plan.gpus_per_node)
     if lines:
         raise ConfigError(f"invalid config: {where}: RL placement under plan {config.plan.nodes}x"
                           f"{config.plan.gpus_per_node} does not fit (glmforge model info --preset NAME --plan ...):\n  "

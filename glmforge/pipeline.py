@@ -5,13 +5,14 @@ Curation stages reference their (torch-free) modules directly; the training and 
 stages are named by "module:attribute" references, imported only when a config is validated or a
 stage runs, so `glmforge status`, `artifacts` and `--help` never load torch.
 
-quality, issue-pr and decontaminate also read raw files that are no artifact (labelled text,
-GitHub exports, eval sets): their `fingerprint` (a content digest of those files) joins the stage
-key. Curation stages take their seeds from their own sections (seeded=False): run.seed is not in
+quality, issue-pr, swe-envs and decontaminate also read raw files that are no artifact (labelled
+text, GitHub exports, repositories, eval sets): their `fingerprint` (a content digest of those
+files) joins the stage key. Curation stages take their seeds from their own sections (seeded=False): run.seed is not in
 their keys.
 
     ingest -> quality -> dedup-exact -> dedup-minhash -> dedup-semantic -> decontaminate
     issue-pr --------------------------------------------------------------^
+    swe-envs (environments from real repositories) -> rl-agentic
     decontaminate -> tokenize -> pack -> pretrain -> context-1 -> context-2 -> context-3
     -> dsa-warmup -> dsa-adapt -> sft -> rl-reasoning -> rl-agentic
     rl-reasoning -> reward-model;  rl-agentic + reward-model -> rl-general
@@ -41,6 +42,10 @@ CURATION: list[StageSpec] = [
               seeded=False),
     StageSpec("issue-pr", "issue_pr", issue_pr.IssuePRConfig, issue_pr.run, parents=(),
               fingerprint=issue_pr.fingerprint, seeded=False),
+    # software-engineering environments from real repositories (rl.swe), for rl-agentic's `swe`; its
+    # instances from issue-pr's pairs are not built yet, so it reads no artifact
+    StageSpec("swe-envs", "swe_envs", "posttrain.swe_envs:SWEEnvsConfig", "posttrain.swe_envs:run",
+              fingerprint="posttrain.swe_envs:fingerprint", seeded=False),
     StageSpec("decontaminate", "decontaminate", decontaminate.DecontaminateConfig, decontaminate.run,
               parents=("dedup-semantic", "issue-pr"), fingerprint=decontaminate.fingerprint, seeded=False),
     StageSpec("tokenize", "tokenize", tokenizer.TokenizeConfig, tokenizer.run, parents=("decontaminate",),
@@ -69,7 +74,7 @@ POSTTRAIN: list[StageSpec] = [
     StageSpec("rl-reasoning", "rl_reasoning", "posttrain.rl_reasoning:RLReasoningConfig",
               "posttrain.rl_reasoning:run_rl_reasoning", parents=("sft", "tokenize")),
     StageSpec("rl-agentic", "rl_agentic", "posttrain.rl_agentic:RLAgenticConfig",
-              "posttrain.rl_agentic:run_rl_agentic", parents=("rl-reasoning", "tokenize")),
+              "posttrain.rl_agentic:run_rl_agentic", parents=("rl-reasoning", "tokenize", "swe-envs")),
     StageSpec("reward-model", "reward_model", "posttrain.reward_model:RewardModelConfig",
               "posttrain.reward_model:run_reward_model", parents=("rl-reasoning", "tokenize")),
     StageSpec("rl-general", "rl_general", "posttrain.rl_general:RLGeneralConfig",

@@ -291,6 +291,7 @@ class ServerPool:
     data_parallel: int = 1              # attention data parallel inside a replica; tensor parallel = gpus / dp
     expert_parallel: int = 1            # the replica's GPUs the routed experts are sharded over
     weight_bytes: float = 2.0           # bf16 2, fp8 1
+    external: bool = False              # run by the cluster and given as URLs, not started by the stage
 
 
 def server_pool_memory(cfg: ModelConfig, plan: Plan, pool: ServerPool) -> dict:
@@ -308,6 +309,7 @@ def server_pool_memory(cfg: ModelConfig, plan: Plan, pool: ServerPool) -> dict:
     reserve = plan.reserve_gb * GB
     total = weights + kv + reserve
     return {"replicas": pool.replicas, "gpus_per_replica": pool.gpus_per_replica, "data_parallel": pool.data_parallel,
+            "external": pool.external,
             "expert_parallel": pool.expert_parallel, "gpus": pool.replicas * pool.gpus_per_replica,
             "bytes": {"weights": weights, "kv_cache": kv, "reserve": reserve}, "bytes_per_gpu": total,
             "receive_bytes_per_gpu": 2 * (dense + experts / max(pool.expert_parallel, 1)),

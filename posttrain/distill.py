@@ -52,7 +52,7 @@ from rl.gates import EVALS, GateConfig
 from rl.ranks import SINGLE, ParallelConfig, Ranks, check_placement
 from rl.rollout import RolloutConfig, RolloutEngine, SamplingParams, open_engine, prompt_ids
 from rl.sample import Sample, Status
-from rl.served import ServerPoolConfig, ServedEngine, group_seeds
+from rl.served import ServedEngine, ServerPoolConfig, group_seeds, named_pool
 from rl.trainer import GateCheck, OptimConfig
 from rl.update import UpdateParams, collate, mismatch_trend, response_logprobs, update
 from training import checkpoint, metrics
@@ -301,7 +301,8 @@ def train(cfg: DistillConfig, inputs: dict[str, Path], workdir: Workdir, ranks: 
                                                  int4=cfg.rollout_int4, batch_size=cfg.rollout_batch, ranks=ranks))
         if served:
             for name, path in teacher_files.items():
-                pool = stack.enter_context(ServedEngine(None, tokenizer, stop_ids, pad_id, cfg.teacher_servers,
+                pool = stack.enter_context(ServedEngine(None, tokenizer, stop_ids, pad_id,
+                                                        named_pool(cfg.teacher_servers, name),
                                                         workdir.checkpoint / "teachers" / name, ranks=ranks,
                                                         model=state_config(path)))
                 pool.serve_file(path)

@@ -70,7 +70,7 @@ from training import checkpoint, metrics
 log = logging.getLogger("glmforge")
 BUFFER = "buffer.json"
 # environments whose tools or verifier run model-written code in rl.sandbox (a test checks the list)
-SANDBOXED_ENVIRONMENTS = frozenset({"swe_repair", "terminal"})
+SANDBOXED_ENVIRONMENTS = frozenset({"swe", "swe_repair", "terminal"})
 
 
 class AgentContextConfig(BaseModel):
@@ -182,7 +182,7 @@ class Prompts:
 
     def __init__(self, cfg: RLAgenticConfig, seed: int):
         self.seed, self.weights = seed, {k: w for k, w in cfg.environments.items() if w > 0}
-        self.pools = {e: tasks_for(e, "train", 2000, seed) for e in self.weights}
+        self.pools = {e: tasks_for(e, "train", 2000, seed, cfg.env_args.get(e)) for e in self.weights}
 
     def task(self, group: int) -> Task:
         rng = random.Random(self.seed * 1_000_003 + group)
@@ -265,12 +265,24 @@ def run_rl_agentic(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workd
     return train(cfg, inputs, workdir)
 
 
+def with_instances(cfg: RLAgenticConfig, inputs: dict[str, Path]) -> RLAgenticConfig:
+    """The swe environment's instances are the swe-envs artifact: its folder joins env_args.swe
+    (unless the config names another)."""
+    if cfg.environments.get("swe", 0) <= 0 or cfg.env_args.get("swe", {}).get("root"):
+        return cfg
+    if "swe-envs" not in inputs:
+        raise ValueError("rl_agentic.environments.swe needs the swe-envs artifact (or env_args.swe.root)")
+    args = {**cfg.env_args, "swe": {**cfg.env_args.get("swe", {}), "root": str(inputs["swe-envs"])}}
+    return cfg.model_copy(update={"env_args": args})
+
+
 def train(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workdir, ranks: Ranks = SINGLE) -> dict[str, Any] | None:
     """The stage in this process, or as one of `ranks` (rl.launch): rank 0 owns the rollout side
     (the worker pool, the sample buffer, admission, the evaluations) and hands each step's groups to
     every rank; all train on them (rl.ranks), and at a sync every rank publishes its share of the
     new version (rl.weight_sync) before rank 0 announces it to the workers. On vLLM the stage's
     servers take each version (pause, reload, resume) and the workers send them their turns."""
+    cfg = with_instances(cfg, inputs)
     with contextlib.ExitStack() as engines:
         return _train(cfg, inputs, workdir, ranks, engines)
 
@@ -290,7 +302,7 @@ def _train(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workdir, rank
     pad_id = tokenizer.token_to_id("<|pad|>")
     stop_ids = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
     prompts = Prompts(cfg, seed)
-    heldout = [t for e in prompts.weights for t in tasks_for(e, "heldout", cfg.heldout, seed)]
+    heldout = [t for e in prompts.weights for t in tasks_for(e, "heldout", cfg.heldout, seed, cfg.env_args.get(e))]
     gen = torch.Generator().manual_seed(seed)
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
     engine_root = workdir.checkpoint / ("engine" if served else f"engine-rank{ranks.rank}")

@@ -68,7 +68,7 @@ from rl.ranks import SINGLE, ParallelConfig, Ranks, check_placement
 from rl.rewards import REWARDS
 from rl.rollout import RolloutConfig, RolloutEngine, SamplingParams, open_engine, prompt_ids
 from rl.sample import Sample, Status
-from rl.served import ServerPoolConfig, ServedEngine, group_seeds
+from rl.served import ServedEngine, ServerPoolConfig, group_seeds, named_pool
 from rl.trainer import GateCheck, OptimConfig
 from rl.update import UpdateParams, assign_advantages, mismatch_trend, update
 from training import checkpoint, metrics
@@ -282,8 +282,8 @@ def serve_judges(cfg: RLGeneralConfig, inputs: dict[str, Path], tokenizer, stop_
     from rl.orm import load_info
 
     def pool(name: str, model=None) -> ServedEngine:
-        return stack.enter_context(ServedEngine(None, tokenizer, stop_ids, pad_id, cfg.judge_servers, root / name,
-                                                ranks=ranks, model=model))
+        return stack.enter_context(ServedEngine(None, tokenizer, stop_ids, pad_id, named_pool(cfg.judge_servers, name),
+                                                root / name, ranks=ranks, model=model))
 
     out: dict[str, Judge] = {}
     if cfg.weights.get("orm", 0) > 0:

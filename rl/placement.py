@@ -16,7 +16,7 @@ RL_STAGES = ("rl_reasoning", "rl_agentic", "reward_model", "rl_general", "distil
 def _pool(cfg: Any) -> ServerPool:
     return ServerPool(replicas=len(cfg.urls) or cfg.replicas, gpus_per_replica=cfg.gpus_per_replica,
                       data_parallel=cfg.data_parallel, expert_parallel=cfg.expert_parallel,
-                      weight_bytes=1.0 if cfg.weights == "fp8" else 2.0)
+                      weight_bytes=1.0 if cfg.weights == "fp8" else 2.0, external=bool(cfg.urls))
 
 
 def stage_pools(section: Any, model: ModelConfig, plan: Plan) -> dict:
@@ -59,9 +59,11 @@ def config_pools(config: Any) -> dict[str, dict]:
     return out
 
 
-def not_fitting(pools: dict[str, dict], gpu_mem_gb: int, gpus: int) -> list[str]:
+def not_fitting(pools: dict[str, dict], gpu_mem_gb: int, gpus: int, gpus_per_node: int) -> list[str]:
     """One line per pool that does not fit a `gpu_mem_gb` GPU, naming the stage, the pool and its
-    GB per GPU, and per stage whose pools together need more than the plan's `gpus`."""
+    GB per GPU; per stage whose pools together need more than the plan's `gpus`; and per pool the
+    stage would start (no urls) whose replicas span more GPUs than a node has: the stage starts
+    its servers on its first rank's node, so larger replicas run in the cluster, given as urls."""
     lines = []
     for stage, pl in pools.items():
         if "error" in pl:
@@ -77,6 +79,10 @@ def not_fitting(pools: dict[str, dict], gpu_mem_gb: int, gpus: int) -> list[str]
             lines.append(f"{stage}: the trainer pool ({t['gpus']} GPUs, ZeRO-{t['zero_stage']}, ep {t['ep']}) needs "
                          f"{t['bytes_per_gpu'] / GB:,.1f} GB per GPU ({why}) > {gpu_mem_gb} GB")
         for name, sv in pl["servers"].items():
+            if not sv["external"] and sv["gpus_per_replica"] > gpus_per_node:
+                lines.append(f"{stage}: the {name} pool's replicas span {sv['gpus_per_replica']} GPUs, more than a "
+                             f"node's {gpus_per_node}; the stage starts servers on its first node only, so run them "
+                             "in the cluster and give their urls")
             if not sv["fits"]:
                 why = ", ".join(f"{k.replace('_', ' ')} {v / GB:,.1f}" for k, v in sv["bytes"].items())
                 lines.append(f"{stage}: the {name} pool ({sv['replicas']} x {sv['gpus_per_replica']} GPUs, ep "

@@ -167,11 +167,13 @@ def _socket_filter() -> bytes:
         op(_RET, _ALLOW)])
 
 
-def _bwrap_argv(bwrap: str, workdir: Path, env: dict[str, str], status_fd: int, seccomp_fd: int | None) -> list[str]:
+def _bwrap_argv(bwrap: str, workdir: Path, env: dict[str, str], status_fd: int, seccomp_fd: int | None,
+                read_only: tuple[str, ...] = ()) -> list[str]:
     setenv = [a for k, v in env.items() for a in ("--setenv", k, v)]
     seccomp = [] if seccomp_fd is None else ["--seccomp", str(seccomp_fd)]
+    mounts = [a for p in read_only for a in ("--ro-bind", p, p)]
     return [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
-            "--hostname", "sandbox", "--clearenv", *setenv, *_root(), "--proc", "/proc", "--dev", "/dev",
+            "--hostname", "sandbox", "--clearenv", *setenv, *_root(), *mounts, "--proc", "/proc", "--dev", "/dev",
             "--remount-ro", "/dev", "--bind", str(workdir), WORKDIR, "--chdir", WORKDIR, "--remount-ro", "/",
             *seccomp, "--json-status-fd", str(status_fd), "--",
             # bwrap sets PWD after --clearenv; env drops it so the environment is exactly `env`
@@ -251,7 +253,9 @@ def _weak() -> bool:
     raise SandboxError(f"{iso['problem']}: {_REMEDY.format(setting='the RL stage sandbox_allow_weak_isolation')}")
 
 
-def _write_files(workdir: Path, files: dict[str, str] | None, uid: int | None) -> None:
+def _write_files(workdir: Path, files: dict[str, str] | None, uid: int | None, tree: Path | None = None) -> None:
+    if tree is not None:         # a folder's copy first (binary files too); `files` may overwrite its files
+        shutil.copytree(tree, workdir, symlinks=True, dirs_exist_ok=True)
     for name, text in (files or {}).items():
         rel = Path(name)
         if rel.is_absolute() or ".." in rel.parts or not rel.parts:
@@ -348,9 +352,17 @@ def _bwrap_status(raw: bytes) -> dict[str, int]:
 
 
 def run_command(argv: list[str], limits: SandboxLimits = SandboxLimits(), files: dict[str, str] | None = None,
-                stdin: str = "") -> SandboxResult:
-    """Run argv[0] (an absolute path under /usr or /bin, or a name found on /usr/bin:/bin) in the
-    sandbox, in a fresh working folder holding `files` (relative name -> text)."""
+                stdin: str = "", tree: Path | None = None, read_only: tuple[str, ...] = ()) -> SandboxResult:
+    """Run argv[0] (an absolute path under /usr or /bin, or a name found on /usr/bin:/bin; or a
+    link to one inside a `read_only` folder, as a virtualenv's python is) in the sandbox, in a
+    fresh working folder holding a copy of `tree` and then `files` (relative name -> text).
+    read_only: host folders the sandbox sees read-only at the same path (a prepared virtualenv;
+    never a folder holding credentials). bwrap runs as the sandbox's uid, so each must be
+    reachable by others (every folder above it searchable)."""
+    read_only = tuple(str(Path(p).resolve()) for p in read_only)
+    for p in read_only:
+        if not Path(p).is_dir() or p in ("/", str(Path.home())) or p.startswith(("/proc", "/sys", "/dev", "/etc")):
+            raise ValueError(f"read_only {p!r}: only a prepared folder (not /, a home, /proc, /sys, /dev, /etc)")
     if not argv or not all(isinstance(a, str) for a in argv):
         raise ValueError(f"argv must be a non-empty list of str, got {argv!r}")
     exe = argv[0] if os.path.isabs(argv[0]) else shutil.which(argv[0], path=CHILD_PATH)
@@ -358,11 +370,13 @@ def run_command(argv: list[str], limits: SandboxLimits = SandboxLimits(), files:
         raise ValueError(f"{argv[0]!r} is not on the sandbox PATH {CHILD_PATH}")
     if not os.path.realpath(exe).startswith(("/usr/", "/bin/", "/sbin/")):
         raise ValueError(f"{exe} is outside /usr, /bin and /sbin: the sandbox sees only the system's programs")
-    return _run([exe, *argv[1:]], limits, files, stdin, _weak())
+    if not exe.startswith(("/usr/", "/bin/", "/sbin/")) and not any(exe.startswith(p + "/") for p in read_only):
+        raise ValueError(f"{exe} is not inside a read_only folder: the sandbox would not see it")
+    return _run([exe, *argv[1:]], limits, files, stdin, _weak(), tree, read_only)
 
 
 def _run(argv: list[str], limits: SandboxLimits, files: dict[str, str] | None, stdin: str,
-         weak: bool) -> SandboxResult:
+         weak: bool, tree: Path | None = None, read_only: tuple[str, ...] = ()) -> SandboxResult:
     host = _host()
     if not host.prlimit:
         raise SandboxError(f"prlimit (util-linux) not found on {TOOL_PATH}: the sandbox cannot set its limits")
@@ -377,14 +391,14 @@ def _run(argv: list[str], limits: SandboxLimits, files: dict[str, str] | None, s
         os.close(seccomp_w)
     proc, status = None, b""
     try:
-        _write_files(workdir, files, uid)
+        _write_files(workdir, files, uid, tree)
         home = str(workdir) if weak else WORKDIR
         env = {"PATH": CHILD_PATH, "LANG": "C.UTF-8", "HOME": home, "TMPDIR": home}
         cmd = _prlimit_argv(host.prlimit, limits, nproc)
         if weak:
             cmd, fds = cmd + argv, ()
         else:
-            cmd += _bwrap_argv(host.bwrap, workdir, env, status_w, seccomp_r) + argv
+            cmd += _bwrap_argv(host.bwrap, workdir, env, status_w, seccomp_r, read_only) + argv
             fds = (status_w,) if seccomp_r is None else (status_w, seccomp_r)
             env = {"PATH": CHILD_PATH}
         with tempfile.TemporaryFile() as stdin_file:

@@ -80,7 +80,8 @@ class ServerPoolConfig(BaseModel):
         "loaded from the trainer's published versions by the worker extension in rl/vllm_ext"))
     replicas: int = Field(2, ge=1, description="server processes the stage starts (rank 0 owns them)")
     urls: list[str] = Field([], description="servers someone else runs (then none is started); they must read "
-                            "the published weights' folder")
+                            "the published weights' folder. In judge_servers and teacher_servers `{name}` stands "
+                            "for the judge's or the teacher's name (a pool each)")
     gpus_per_replica: int = Field(1, ge=1, description="GPUs one replica runs on (vLLM: tensor x data parallel)")
     data_parallel: int = Field(1, ge=1, description="attention data parallelism inside a replica (vLLM "
                                "--data-parallel-size); its other GPUs are tensor parallel")
@@ -115,6 +116,11 @@ class ServerPoolConfig(BaseModel):
             raise ValueError(f"expert_parallel={self.expert_parallel}: vLLM shards the experts over all "
                              f"{g} GPUs of a replica (--enable-expert-parallel) or none")
         return self
+
+
+def named_pool(cfg: "ServerPoolConfig", name: str) -> "ServerPoolConfig":
+    """A judge's or a teacher's own pool: `{name}` in the urls becomes its name."""
+    return cfg.model_copy(update={"urls": [u.replace("{name}", name) for u in cfg.urls]}) if cfg.urls else cfg
 
 
 def group_seeds(key: int, n: int) -> list[int]:

@@ -23,6 +23,8 @@ it pickles and can be constructed in any worker process. Every execution of mode
 or shell commands goes through rl.sandbox with SandboxLimits.
 
 Environments:
+    swe          fix a synthesised bug in a real repository (the swe-envs stage's instances):
+                 read_file / search / write_file / run_tests; the suite decides in a fresh sandbox
     swe_repair   fix an injected bug in an MBPP solution: read_file / write_file / run_tests
     terminal     shell tasks in a sandboxed working folder: run(command); a verifier script checks
     search       questions over the stdlib docstrings: search(query) / open(name)
@@ -93,12 +95,14 @@ def make_env(name: str, **cfg: Any):
     return _get(name)(**cfg)
 
 
-def tasks_for(name: str, split: str, n: int, seed: int) -> list[Task]:
+def tasks_for(name: str, split: str, n: int, seed: int, args: dict[str, Any] | None = None) -> list[Task]:
+    """args: the environment's constructor arguments (env_args), for one whose tasks live in
+    data the stage names (swe: the swe-envs artifact)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    return _get(name).tasks(split, n, seed)
+    return _get(name).tasks(split, n, seed, **args) if args else _get(name).tasks(split, n, seed)
 
 
 def draw(pool: Sequence[Task], split: str, n: int, seed: int) -> list[Task]:
@@ -134,5 +138,5 @@ def check_args(call: ToolCall, tools: Sequence[dict]) -> str | None:
     return None
 
 
-from rl.envs import calc_arith, delayed, search, swe_repair, terminal  # noqa: E402,F401  (registration)
+from rl.envs import calc_arith, delayed, search, swe, swe_repair, terminal  # noqa: E402,F401  (registration)
 from rl.envs.context import TemplateTokenCounter, context_manager, manage_context  # noqa: E402

@@ -41,7 +41,7 @@ import random
 import re
 import zlib
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 from chat.template import ToolCall
 from domains.task import Task
@@ -55,6 +55,7 @@ from rl.envs import (
     register_env,
 )
 from rl.sandbox import SandboxLimits, run_python
+from rl.swe.mutate import MUTATIONS, apply_mutation, sites  # noqa: F401 (MUTATIONS: the families, re-exported)
 from rl.verify import CallCheck, checks_from_asserts, judge, recheck, run_calls
 
 MBPP_TRAIN_IDS = range(601, 975)
@@ -64,99 +65,14 @@ TEST_TIMEOUT_S = 2
 HELDOUT_PER_MILLE = 200
 MAX_FILE_CHARS = 64 * 1024
 
-_CMP = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq}
-_BIN = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Add, ast.FloorDiv: ast.Mult, ast.Mod: ast.FloorDiv,
-        ast.Div: ast.Mult}
-_SYM = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!=", ast.Add: "+",
-        ast.Sub: "-", ast.Mult: "*", ast.FloorDiv: "//", ast.Mod: "%", ast.Div: "/"}
-_SWAP = {"min": "max", "max": "min", "any": "all", "all": "any", "upper": "lower", "lower": "upper",
-         "startswith": "endswith", "endswith": "startswith", "append": "insert", "sort": "reverse"}
-MUTATIONS = ("comparison", "operator", "range", "constant", "boolop", "bool", "call")
-
-
-def _sites(tree: ast.AST) -> Iterator[tuple[str, ast.AST, int]]:
-    """(kind, node, sub-index) of every mutable site, in ast.walk order (deterministic)."""
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Compare):
-            for i, op in enumerate(node.ops):
-                if type(op) in _CMP:
-                    yield "comparison", node, i
-        elif isinstance(node, (ast.BinOp, ast.AugAssign)) and type(node.op) in _BIN:
-            yield "operator", node, 0
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "range"
-              and 1 <= len(node.args) <= 3 and not node.keywords):
-            yield "range", node, 0                           # stop - 1
-            if len(node.args) >= 2:
-                yield "range", node, 1                       # start + 1
-        elif isinstance(node, ast.Constant) and type(node.value) is int and 0 <= node.value <= 1000:
-            yield "constant", node, 0
-        elif isinstance(node, ast.BoolOp):
-            yield "boolop", node, 0
-        elif isinstance(node, ast.Constant) and type(node.value) is bool:
-            yield "bool", node, 0
-        if isinstance(node, ast.Call) and not node.keywords:
-            f = node.func
-            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
-            if name in _SWAP and (name != "append" or len(node.args) == 1) and (name != "sort" or not node.args):
-                yield "call", node, 0
-
-
-def _minus_one(e: ast.expr) -> ast.expr:
-    if isinstance(e, ast.BinOp) and isinstance(e.op, ast.Add) and isinstance(e.right, ast.Constant) and e.right.value == 1:
-        return e.left                                        # range(1, n + 1) -> range(1, n)
-    if isinstance(e, ast.Constant) and type(e.value) is int:
-        return ast.Constant(e.value - 1)
-    return ast.BinOp(e, ast.Sub(), ast.Constant(1))
-
-
-def _plus_one(e: ast.expr) -> ast.expr:
-    if isinstance(e, ast.Constant) and type(e.value) is int:
-        return ast.Constant(e.value + 1)
-    return ast.BinOp(e, ast.Add(), ast.Constant(1))
 
 
 def mutate(source: str, k: int) -> tuple[str, str]:
-    """(mutated source, description) for the k-th site of _sites."""
+    """(mutated source, description) for the k-th site of sites."""
     tree = ast.parse(source)
-    kind, node, sub = list(_sites(tree))[k]
-    line = getattr(node, "lineno", 0)
-    if kind == "comparison":
-        old = node.ops[sub]
-        node.ops[sub] = _CMP[type(old)]()
-        desc = f"{_SYM[type(old)]} -> {_SYM[_CMP[type(old)]]}"
-    elif kind == "operator":
-        old = node.op
-        node.op = _BIN[type(old)]()
-        desc = f"{_SYM[type(old)]} -> {_SYM[_BIN[type(old)]]}"
-    elif kind == "range":
-        stop = 0 if len(node.args) == 1 else 1
-        if sub == 0:
-            node.args[stop] = _minus_one(node.args[stop])
-            desc = "range stop - 1"
-        else:
-            node.args[0] = _plus_one(node.args[0])
-            desc = "range start + 1"
-    elif kind == "constant":
-        desc = f"{node.value} -> {node.value + 1}"
-        node.value += 1
-    elif kind == "boolop":
-        desc = "and -> or" if isinstance(node.op, ast.And) else "or -> and"
-        node.op = ast.Or() if isinstance(node.op, ast.And) else ast.And()
-    elif kind == "bool":
-        desc = f"{node.value} -> {not node.value}"
-        node.value = not node.value
-    else:
-        f = node.func
-        old = f.id if isinstance(f, ast.Name) else f.attr
-        new = _SWAP[old]
-        if new == "insert":                                  # xs.append(v) -> xs.insert(0, v)
-            node.args.insert(0, ast.Constant(0))
-        if isinstance(f, ast.Name):
-            f.id = new
-        else:
-            f.attr = new
-        desc = f"{old}() -> {new}()"
-    return ast.unparse(ast.fix_missing_locations(tree)) + "\n", f"{kind} {desc} (line {line})"
+    kind, node, sub = list(sites(tree))[k]
+    desc = apply_mutation(kind, node, sub)
+    return ast.unparse(ast.fix_missing_locations(tree)) + "\n", desc
 
 
 def split_test_file(text: str) -> tuple[str, dict[str, str]]:
@@ -260,7 +176,7 @@ def build_instance(rec: dict) -> dict | None:
         reference = ast.unparse(ast.parse(rec["code"].replace("\r\n", "\n").replace("\t", "    "))) + "\n"
     except SyntaxError:
         return None
-    n_sites = len(list(_sites(ast.parse(reference))))
+    n_sites = len(list(sites(ast.parse(reference))))
     order = list(range(n_sites))
     random.Random(tid).shuffle(order)
     mutants, seen = [], {reference}

@@ -37,16 +37,18 @@ def test_rendered_templates_pass_the_kubernetes_schema_and_the_prefect_shape(ren
     # every stage is in exactly one group
     groups = files["node-groups.json"]["groups"]
     stages = [s for g in groups.values() for s in g["stages"]]
-    assert len(stages) == len(set(stages)) == 21
+    assert len(stages) == len(set(stages)) == 22
 
 
 def test_glm5_groups_follow_the_launch_config(rendered):
     cfg = load_config("glm5", None, None)
     files = rendered["glm5"]
     groups = files["node-groups.json"]["groups"]
-    # the RL stages join through their parallel.launch (their trainers run on the same 128 x 8)
+    # the RL stages join through their parallel.launch: the reward model trains on the same 128 x 8,
+    # the stages with served rollouts on 64 x 8 (their vLLM pools run beside them)
     assert groups["train-128x8"]["stages"] == ["pretrain", "context-1", "context-2", "context-3", "dsa-adapt", "sft",
-                                               "rl-reasoning", "rl-agentic", "reward-model", "rl-general", "distill"]
+                                               "reward-model"]
+    assert groups["train-64x8"]["stages"] == ["rl-reasoning", "rl-agentic", "rl-general", "distill"]
     assert groups["train-16x8"]["stages"] == ["dsa-warmup"]
     assert "rl-agentic" not in groups["single"]["stages"] and "ingest" in groups["single"]["stages"]
     t = files["train-128x8/base-job-template.json"]

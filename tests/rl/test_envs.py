@@ -256,7 +256,7 @@ def test_swe_repair_instances_rebuild_identically():
 
 def test_mutations_change_one_token():
     src = "def f(xs, n):\n    return [x + 1 for x in range(1, n + 1) if x < n and True] + [max(xs)]\n"
-    n = len(list(swe_repair._sites(ast.parse(src))))
+    n = len(list(swe_repair.sites(ast.parse(src))))
     mutants = [swe_repair.mutate(src, k) for k in range(n)]
     assert {desc.split()[0] for _, desc in mutants} == set(swe_repair.MUTATIONS)
     assert all(m != ast.unparse(ast.parse(src)) + "\n" for m, _ in mutants)

@@ -1,0 +1,140 @@
+"""swe-envs: verifiable software-engineering environments from real repositories (rl.swe).
+
+For each source (a local folder or git checkout, or a pinned source distribution from the package
+index): fetch it, install its test environment, run its suite in the sandbox, then synthesise bugs
+into its source files and keep those its tests catch (rl.swe.build). Sources build in parallel
+(`workers` threads: the work is sandboxed test runs, each its own process) and each resumes on
+its own after a kill: a built source is not built again, a half-built one goes on after the
+last mutant it tried. A source that cannot be fetched, installed or tested is recorded with its
+reason, and the stage goes on with the others.
+
+Artifact:
+    sources/<name>/{repo/, venv/, instances.jsonl, tried.jsonl, report.json}
+    instances.jsonl        every kept instance, all sources (what rl.envs.swe trains on)
+    builds.jsonl           every source's report
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from data_processing.common import StepConfig, expand_path
+from glmforge.stage import Workdir
+from rl.swe.build import BuildConfig, build_source
+from rl.swe.sources import Source
+
+# The default sources: small, pure-Python, permissively licensed projects whose source
+# distributions ship their pytest suites, pinned by sha256 (fetched from the package index).
+DEFAULT_SOURCES = tuple(Source(name=n, kind="sdist", package=n, version=v, sha256=h, license=lic) for n, v, h, lic in [
+    ("inflection", "0.5.1", "1a29730d366e996aaacffb2f1f1cb9593dc38e2ddd30c91250c6dde09ea9b417", "MIT"),
+    ("six", "1.17.0", "ff70335d468e7eb6ec65b95b99d3a2836546063f63acc5171de367e834932a81", "MIT"),
+    ("toolz", "1.0.0", "2c86e3d9a04798ac556793bced838816296a2f085017664e4995cb40a1047a02", "BSD-3-Clause"),
+    ("more-itertools", "10.5.0", "5482bfef7849c25dc3c6dd53a6173ae4795da2a41a80faea6700d9f5846c5da6", "MIT"),
+    ("isodate", "0.7.2", "4cd1aa0f43ca76f4a6c6c0292a85f40b35ec2e43e315b59f06e6d32171a953e6", "BSD-3-Clause"),
+    ("idna", "3.10", "12f65c9b470abda6dc35cf8e63cc574b1c52b11df2c86030af0ac09b01b13ea9", "BSD-3-Clause"),
+    ("boltons", "24.1.0", "4a49b7d57ee055b83a458c8682a2a6f199d263a8aa517098bda9bab813554b87", "BSD-3-Clause"),
+])
+
+
+class SWEEnvsConfig(StepConfig):
+    sources: tuple[Source, ...] = Field(DEFAULT_SOURCES, description="repositories to build environments from "
+                                        "(default: seven projects from the package index, pinned)")
+    build: BuildConfig = BuildConfig()
+    workers: int = Field(2, ge=1, description="sources built at once")
+    seed: int = Field(0, description="the order mutants are tried in")
+
+
+def fingerprint(cfg: SWEEnvsConfig) -> str:
+    """The local sources' files (a pinned archive is its sha256, already in the config)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for s in cfg.sources:
+        if s.kind != "path":
+            continue
+        root = expand_path(s.path)
+        if (root / ".git").exists():
+            h.update(f"{s.name}:git:{s.rev or 'HEAD'}".encode())
+            head = root / ".git" / "HEAD"
+            h.update(head.read_bytes() if head.is_file() else b"")
+            continue
+        for p in sorted(root.rglob("*")) if root.is_dir() else []:
+            if p.is_file() and not any(part in ("__pycache__", ".git") for part in p.parts):
+                h.update(p.relative_to(root).as_posix().encode())
+                h.update(hashlib.sha256(p.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def build_all(cfg: SWEEnvsConfig, root: Path, progress=None) -> list[dict[str, Any]]:
+    """Every source built under root/sources/<name> (resuming), in parallel; their reports in
+    config order."""
+    cache = root / "downloads"
+    samples = expand_path("{samples}")
+    done = []
+
+    def one(source: Source) -> dict[str, Any]:
+        sourced = source.model_copy(update={"path": str(expand_path(source.path))}) if source.kind == "path" else source
+        report = build_source(sourced, root / "sources" / source.name, cache, cfg.build, cfg.seed, samples)
+        done.append(source.name)
+        if progress is not None:
+            progress(len(done), len(cfg.sources), f"swe-envs: {source.name} {'built' if report['built'] else report['reason']}")
+        return report
+
+    with ThreadPoolExecutor(cfg.workers) as pool:
+        return list(pool.map(one, cfg.sources))
+
+
+def run(cfg: SWEEnvsConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
+    if len({s.name for s in cfg.sources}) != len(cfg.sources):
+        raise ValueError("swe_envs.sources: two sources share a name")
+    t0 = time.perf_counter()
+    build = workdir.checkpoint / "build"
+    reports = build_all(cfg, build, workdir.progress)
+    out = workdir.out
+    shutil.rmtree(out / "sources", ignore_errors=True)
+    instances = []
+    for s, r in zip(cfg.sources, reports):
+        src = build / "sources" / s.name
+        dest = out / "sources" / s.name
+        dest.mkdir(parents=True)
+        for name in ("report.json", "tried.jsonl", "instances.jsonl"):
+            if (src / name).is_file():
+                shutil.copy2(src / name, dest / name)
+        if r["built"]:
+            shutil.copytree(src / "repo", dest / "repo", symlinks=True)
+            shutil.copytree(src / "venv", dest / "venv", symlinks=True)
+            instances += [json.loads(x) for x in (src / "instances.jsonl").read_text().splitlines() if x.strip()] \
+                if (src / "instances.jsonl").is_file() else []
+    with open(out / "instances.jsonl", "w", encoding="utf-8") as f:
+        for inst in instances:
+            f.write(json.dumps(inst) + "\n")
+    with open(out / "builds.jsonl", "w", encoding="utf-8") as f:
+        for r in reports:
+            f.write(json.dumps(r) + "\n")
+    return summary(reports, len(instances), time.perf_counter() - t0)
+
+
+def summary(reports: list[dict[str, Any]], instances: int, seconds: float) -> dict[str, Any]:
+    built = [r for r in reports if r["built"]]
+    reasons: dict[str, int] = {}
+    for r in reports:
+        if not r["built"]:
+            reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
+    build_s = sum(r.get("seconds", 0.0) for r in reports)
+    return {
+        "sources": len(reports), "built": len(built), "build_rate": len(built) / len(reports) if reports else 0.0,
+        "failed_by_reason": reasons, "instances": instances,
+        "tests_collected": sum(r.get("tests_collected", 0) for r in built),
+        "mutants_tried": sum(r.get("mutants_tried", 0) for r in built),
+        "instances_per_cpu_minute": round(instances / (build_s / 60), 2) if build_s else None,
+        "seconds": round(seconds, 1),
+        "per_source": {r["source"]: {k: r.get(k) for k in ("built", "reason", "tests_collected", "tests_passing",
+                                                           "instances", "mutants_tried", "seconds")}
+                       for r in reports},
+    }

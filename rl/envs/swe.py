@@ -1,0 +1,214 @@
+"""swe: repair a real repository with a synthesised bug (the swe-envs stage's instances).
+
+An instance (rl.swe.build) is a source's clean repository, one bug (a hunk in one source file),
+the tests that fail with it (FAIL_TO_PASS) and those that pass either way (PASS_TO_PASS). The
+episode's repository is the clean one with the bug applied; the model sees the problem statement
+(the failures' messages, not the tests) and works with:
+    read_file(path)            a file of the repository as it now is (numbered lines)
+    search(pattern)            lines containing `pattern` in the repository's text files
+    write_file(path, content)  replace (or create) a file
+    run_tests(tests)           pytest on the repository as it now is: node ids or files, one per
+                               line (empty: the instance's failing tests)
+
+The verdict (final_reward) never trusts the episode's repository: it starts again from the clean
+files with the bug, keeps only the model's changes to source modules (not tests, conftest.py,
+packaging or pytest configuration, .pth or sitecustomize files: rl.swe.python decides), runs the
+source's suite in a fresh sandbox, and scores 1 iff every FAIL_TO_PASS and PASS_TO_PASS test
+passes. The suite runs the model's code in pytest's process, so an in-process forgery is not
+excluded by this: canary instances and the re-check measure it (README, "Environments from real
+repositories").
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from chat.template import ToolCall
+from domains.task import Task
+from rl.envs import RewardOutcome, StepResult, check_args, draw, function_spec, register_env
+from rl.swe.build import apply_hunk
+from rl.swe.python import REPORT_DIR, Python, run_limits
+
+MAX_FILE_CHARS = 12_000
+MAX_WRITE_CHARS = 256 * 1024
+MAX_MATCHES = 40
+HELDOUT_PER_MILLE = 200
+_PY = Python()
+
+
+def load(root: Path) -> list[dict]:
+    """Every kept instance under a swe-envs artifact (sources/<name>/instances.jsonl)."""
+    out = []
+    for path in sorted(Path(root).glob("sources/*/instances.jsonl")):
+        out += [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return out
+
+
+def _heldout(instance_id: str) -> bool:
+    return int.from_bytes(instance_id.encode()[-4:].rjust(4, b"\0"), "big") * 7919 % 1000 < HELDOUT_PER_MILLE
+
+
+def source_dir(root: Path, source: str) -> Path:
+    return Path(root) / "sources" / source
+
+
+def buggy_files(root: Path, meta: dict) -> dict[str, str]:
+    """The instance's bug as a file over the clean repository."""
+    rel = meta["file"]
+    clean = (source_dir(root, meta["source"]) / "repo" / rel).read_text(encoding="utf-8")
+    return {rel: apply_hunk(clean, meta["bug"])}
+
+
+def kept_changes(changes: dict[str, str]) -> dict[str, str]:
+    """The model's changes a verdict keeps: source modules only."""
+    out = {}
+    for rel, text in changes.items():
+        parts = Path(rel).parts
+        if (rel.endswith(".py") and not _PY.is_test_file(rel) and not _PY.is_config_file(rel)
+                and parts and parts[0] != REPORT_DIR):
+            out[rel] = text
+    return out
+
+
+def verdict(root: Path, meta: dict, changes: dict[str, str], timeout_s: float) -> RewardOutcome:
+    """1 iff every FAIL_TO_PASS and PASS_TO_PASS test passes on clean + bug + kept changes."""
+    src = source_dir(root, meta["source"])
+    files = {**buggy_files(root, meta), **kept_changes(changes)}
+    run = _PY.run_tests(src / "repo", src / "venv", meta.get("tests") or [], run_limits(timeout_s), files=files)
+    f2p = sum(run.outcomes.get(t) == "passed" for t in meta["FAIL_TO_PASS"])
+    p2p_bad = sum(run.outcomes.get(t) != "passed" for t in meta["PASS_TO_PASS"])
+    dropped = sorted(set(changes) - set(kept_changes(changes)))
+    reason = (f"FAIL_TO_PASS {f2p}/{len(meta['FAIL_TO_PASS'])} pass, PASS_TO_PASS {p2p_bad} fail"
+              + (f"; changes dropped: {', '.join(dropped)}" if dropped else ""))
+    if run.status != "ok":
+        return RewardOutcome(0.0, "timeout" if run.status == "timeout" else "error",
+                             f"the suite did not run ({run.status})" + (f"; changes dropped: {', '.join(dropped)}"
+                                                                         if dropped else ""))
+    ok = f2p == len(meta["FAIL_TO_PASS"]) and p2p_bad == 0
+    return RewardOutcome(1.0 if ok else 0.0, "ok", reason)
+
+
+@register_env("swe")
+class SWE:
+    tools = [
+        function_spec("read_file", "Read a file of the repository (with line numbers).", {"path": "file path"}),
+        function_spec("search", "Find lines containing a text in the repository's files.", {"pattern": "text"}),
+        function_spec("write_file", "Replace (or create) a file of the repository.",
+                      {"path": "file path", "content": "the whole new file"}),
+        function_spec("run_tests", "Run tests: pytest node ids or files, one per line (empty: the failing "
+                      "checks).", {"tests": "tests to run"}),
+    ]
+
+    def __init__(self, root: str = "", test_timeout_s: float = 120.0):
+        if not root:
+            raise ValueError("environment swe needs env_args.swe.root: the swe-envs artifact's folder")
+        self.root, self.timeout = Path(root), test_timeout_s
+        self.meta: dict[str, Any] = {}
+        self.changes: dict[str, str] = {}
+        self._base: dict[str, str] = {}
+
+    @classmethod
+    def tasks(cls, split: str, n: int, seed: int, root: str = "", **_: Any) -> list[Task]:
+        if not root:
+            raise ValueError("environment swe needs env_args.swe.root: the swe-envs artifact's folder")
+        pool = [Task("swe", inst["problem_statement"], "", meta={k: inst[k] for k in (
+                    "instance_id", "source", "file", "bug", "FAIL_TO_PASS", "PASS_TO_PASS", "tests")})
+                for inst in load(Path(root)) if _heldout(inst["instance_id"]) == (split == "heldout")]
+        if not pool:
+            raise ValueError(f"no swe instances for split {split!r} under {root}")
+        return draw(pool, split, n, seed)
+
+    # ------------------------------------------------------------ episode
+    def reset(self, task: Task) -> str:
+        self.meta, self.changes = dict(task.meta), {}
+        self._base = buggy_files(self.root, self.meta)
+        return (f"{task.prompt}\n\nThe repository is checked out in your working folder. Use read_file, search, "
+                "write_file and run_tests, then reply with a short summary of your fix.")
+
+    def _repo(self) -> Path:
+        return source_dir(self.root, self.meta["source"]) / "repo"
+
+    def _text(self, rel: str) -> str | None:
+        if rel in self.changes:
+            return self.changes[rel]
+        if rel in self._base:
+            return self._base[rel]
+        path = (self._repo() / rel)
+        if not _inside(self._repo(), rel) or not path.is_file():
+            return None
+        try:
+            return path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            return None
+
+    def step(self, calls: Sequence[ToolCall]) -> StepResult:
+        out = []
+        for call in calls:
+            err = check_args(call, self.tools)
+            out.append(err if err else self._call(call))
+        return StepResult(out)
+
+    def _call(self, call: ToolCall) -> str:
+        a = call.arguments
+        if call.name == "read_file":
+            rel = _relative(a["path"])
+            text = self._text(rel)
+            if text is None:
+                return f"error: no file {rel!r}"
+            numbered = "".join(f"{i + 1:5d}  {line}" for i, line in enumerate(text.splitlines(keepends=True)))
+            return numbered[:MAX_FILE_CHARS] + ("\n[... cut]" if len(numbered) > MAX_FILE_CHARS else "")
+        if call.name == "search":
+            pattern = str(a["pattern"])
+            if not pattern:
+                return "error: empty pattern"
+            hits = []
+            for p in sorted(self._repo().rglob("*")):
+                rel = p.relative_to(self._repo()).as_posix()
+                text = self._text(rel) if p.is_file() else None
+                for i, line in enumerate((text or "").splitlines()):
+                    if pattern in line:
+                        hits.append(f"{rel}:{i + 1}: {line.strip()[:200]}")
+                if len(hits) >= MAX_MATCHES:
+                    break
+            return "\n".join(hits[:MAX_MATCHES]) or "no match"
+        if call.name == "write_file":
+            rel, content = _relative(a["path"]), str(a["content"])
+            if not rel or not _inside(self._repo(), rel):
+                return f"error: {rel!r} is outside the repository"
+            if len(content) > MAX_WRITE_CHARS:
+                return f"error: content over {MAX_WRITE_CHARS} characters"
+            self.changes[rel] = content
+            return f"wrote {rel} ({len(content.splitlines())} lines)"
+        given = str(a["tests"])
+        tests = [t.strip() for t in (given.splitlines() if "\n" in given else given.split()) if t.strip()]
+        tests = tests or list(self.meta["FAIL_TO_PASS"])
+        src = source_dir(self.root, self.meta["source"])
+        run = _PY.run_tests(src / "repo", src / "venv", tests, run_limits(self.timeout),
+                            files={**self._base, **self.changes})
+        if run.status != "ok":
+            return f"tests did not run ({run.status}): {run.output[-800:]}"
+        lines = [f"{len(run.passed)} passed, {len(run.failing)} failed"]
+        lines += [f"FAILED {t}: {run.messages.get(t, '')[:300]}" for t in sorted(run.failing)[:5]]
+        return "\n".join(lines)
+
+    def final_reward(self, answer: str) -> RewardOutcome:
+        return verdict(self.root, self.meta, self.changes, self.timeout)
+
+
+def _relative(path: object) -> str:
+    rel = str(path).strip()
+    while rel.startswith("./"):
+        rel = rel[2:]
+    return rel
+
+
+def _inside(repo: Path, rel: str) -> bool:
+    p = Path(rel)
+    return bool(rel) and not p.is_absolute() and ".." not in p.parts
+
+
+def reference_fix(root: Path, meta: dict) -> dict[str, str]:
+    """The instance's reference fix as the model would write it: the clean file."""
+    return {meta["file"]: (source_dir(root, meta["source"]) / "repo" / meta["file"]).read_text(encoding="utf-8")}
+

@@ -1,0 +1,162 @@
+"""Environments from a real repository (rl.swe, the swe-envs stage, rl.envs.swe) on inflection 0.5.1,
+shipped in samples/repos (MIT), offline: its suite runs in the sandbox from a virtualenv mounted
+read-only; bugs are synthesised into its source and kept when its tests catch them; every kept
+instance scores 0 unfixed and 1 with the reference fix through the environment's own verdict;
+sources that cannot be built are named and the others still build."""
+from __future__ import annotations
+
+import ast
+import difflib
+import json
+import shutil
+import tarfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from chat.template import ToolCall
+from posttrain.swe_envs import SWEEnvsConfig, build_all, run, summary
+from glmforge.stage import Workdir
+from rl.envs import tasks_for
+from rl.envs.swe import SWE, load, reference_fix, verdict
+from rl.swe.build import apply_hunk, hunk
+from rl.swe.mutate import mutants
+
+REPO = Path(__file__).resolve().parents[2]
+INFLECTION = REPO / "samples" / "repos" / "inflection"
+SOURCE = {"name": "inflection", "kind": "path", "path": str(INFLECTION), "license": "MIT"}
+BUILD = {"instances_per_source": 16, "mutants_per_file": 40, "offline": True, "suite_timeout_s": 120}
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory) -> Path:
+    """The stage's artifact for the shipped project (the tiny preset's build)."""
+    root = tmp_path_factory.mktemp("swe-envs")
+    result = run(SWEEnvsConfig(sources=[SOURCE], build=BUILD, workers=1), {}, Workdir.at(root))
+    assert result["built"] == 1 and result["instances"] == 16, result
+    return root / "out"
+
+
+def test_mutants_are_one_edit_of_the_files_own_text():
+    text = (INFLECTION / "inflection" / "__init__.py").read_text()
+    found = list(mutants(text))
+    kinds = {d.split()[0] for _, d, _ in found}
+    assert len(found) > 100 and {"constant", "call", "drop_return", "negate_if", "operator"} <= kinds
+    for mutated, desc, line in found:
+        diff = list(difflib.unified_diff(text.splitlines(), mutated.splitlines(), lineterm="", n=0))
+        assert sum(x.startswith("@@") for x in diff) == 1, (desc, diff)        # one place changed
+        assert sum(x.startswith("+") and not x.startswith("+++") for x in diff) == 1, (desc, diff)
+        ast.parse(mutated)
+        h = hunk(text, mutated)
+        assert apply_hunk(text, h) == mutated and apply_hunk(mutated, h, reverse=True) == text
+
+
+def test_the_build_reports_the_suite_and_keeps_instances_with_fail_to_pass(artifact):
+    report = json.loads((artifact / "sources" / "inflection" / "report.json").read_text())
+    assert report["built"] and report["tests_collected"] == report["tests_passing"] == 455
+    insts = load(artifact)
+    assert len(insts) == 16 and len({i["instance_id"] for i in insts}) == 16
+    for inst in insts:
+        assert inst["FAIL_TO_PASS"] and len(inst["FAIL_TO_PASS"]) + len(inst["PASS_TO_PASS"]) == 455
+        statement = inst["problem_statement"]
+        assert "def test_" not in statement and "test_inflection.py" not in statement   # messages, not tests
+    assert [json.loads(x)["source"] for x in (artifact / "builds.jsonl").read_text().splitlines()] == ["inflection"]
+
+
+def test_every_instance_scores_0_unfixed_and_1_with_its_reference_fix(artifact):
+    insts = load(artifact)
+
+    def both(inst):
+        return verdict(artifact, inst, {}, 120).score, verdict(artifact, inst, reference_fix(artifact, inst), 120).score
+
+    with ThreadPoolExecutor(2) as pool:
+        scores = list(pool.map(both, insts))
+    assert scores == [(0.0, 1.0)] * len(insts)
+
+
+def test_the_environment_reads_searches_edits_runs_and_judges_only_source_changes(artifact):
+    tasks = tasks_for("swe", "train", 4, 0, {"root": str(artifact)}) + tasks_for("swe", "heldout", 4, 0,
+                                                                                   {"root": str(artifact)})
+    assert {t.domain for t in tasks} == {"swe"}
+    held = {t.meta["instance_id"] for t in tasks_for("swe", "heldout", 100, 0, {"root": str(artifact)})}
+    train = {t.meta["instance_id"] for t in tasks_for("swe", "train", 100, 0, {"root": str(artifact)})}
+    assert held and train and not held & train
+    task = tasks[0]
+    env = SWE(root=str(artifact))
+    first = env.reset(task)
+    assert task.prompt in first and "run_tests" in first
+    rel = task.meta["file"]
+    obs = env.step([ToolCall("read_file", {"path": rel}), ToolCall("search", {"pattern": "def pluralize"}),
+                    ToolCall("run_tests", {"tests": ""})]).observations
+    assert obs[0].startswith("    1  ") and "inflection/__init__.py:" in obs[1]
+    assert obs[2].startswith(f"0 passed, {len(task.meta['FAIL_TO_PASS'])} failed") and "FAILED" in obs[2]
+    # the tests rewritten to pass, a conftest that passes everything, a .pth: dropped by the verdict
+    tests_text = (artifact / "sources" / "inflection" / "repo" / "test_inflection.py").read_text()
+    env.step([ToolCall("write_file", {"path": "test_inflection.py", "content": "def test_ok():\n    pass\n"}),
+              ToolCall("write_file", {"path": "conftest.py", "content": "import pytest\n"}),
+              ToolCall("write_file", {"path": "x.pth", "content": "import os\n"})])
+    out = env.final_reward("done")
+    assert out.score == 0.0 and out.reason.endswith("changes dropped: conftest.py, test_inflection.py, x.pth")
+    # the tests put back and the reference fix written through the tool: the failing checks pass,
+    # the verdict is 1
+    env.step([ToolCall("write_file", {"path": "test_inflection.py", "content": tests_text})])
+    fix = reference_fix(artifact, task.meta)[rel]
+    assert env.step([ToolCall("write_file", {"path": rel, "content": fix})]).observations[0].startswith("wrote")
+    ran = env.step([ToolCall("run_tests", {"tests": "\n".join(task.meta["FAIL_TO_PASS"][:3])})]).observations[0]
+    assert ran.startswith(f"{min(3, len(task.meta['FAIL_TO_PASS']))} passed, 0 failed")
+    assert env.final_reward("fixed").score == 1.0
+    assert env.step([ToolCall("write_file", {"path": "../escape.py", "content": ""})]).observations[0].startswith("error")
+
+
+def test_sources_that_cannot_build_are_named_and_the_others_build(tmp_path):
+    archive = tmp_path / "inflection-0.5.1.tar.gz"
+    with tarfile.open(archive, "w:gz") as t:
+        t.add(INFLECTION, arcname="inflection-0.5.1")
+    no_tests = tmp_path / "no-tests"
+    shutil.copytree(INFLECTION, no_tests)
+    (no_tests / "test_inflection.py").unlink()
+    cfg = SWEEnvsConfig(sources=[
+        {"name": "missing", "kind": "path", "path": str(tmp_path / "nowhere")},
+        {"name": "wrong-hash", "kind": "sdist", "path": str(archive), "sha256": "0" * 64},
+        {"name": "no-tests", "kind": "path", "path": str(no_tests)},
+        {**SOURCE, "name": "good"},
+    ], build={**BUILD, "instances_per_source": 2}, workers=2)
+    reports = build_all(cfg, tmp_path / "build")
+    by = {r["source"]: r for r in reports}
+    assert by["missing"]["reason"] == "fetch" and "source missing:" in by["missing"]["detail"] \
+        and "does not exist" in by["missing"]["detail"]
+    assert by["wrong-hash"]["reason"] == "fetch" and "the source pins 000" in by["wrong-hash"]["detail"]
+    assert by["no-tests"]["reason"] == "no_tests" and "source no-tests" in by["no-tests"]["detail"]
+    assert by["good"]["built"] and by["good"]["instances"] == 2
+    s = summary(reports, 2, 1.0)
+    assert s["build_rate"] == 0.25 and s["failed_by_reason"] == {"fetch": 2, "no_tests": 1}
+    # a killed build resumes: a built source is not built again
+    again = build_all(cfg, tmp_path / "build")
+    assert [r["seconds"] for r in again] == [r["seconds"] for r in reports]
+
+
+def test_a_build_killed_mid_source_goes_on_after_the_last_mutant_it_tried(tmp_path):
+    cfg = SWEEnvsConfig(sources=[SOURCE], build={**BUILD, "instances_per_source": 3}, workers=1)
+    first = build_all(cfg, tmp_path)[0]
+    src = tmp_path / "sources" / "inflection"
+    kept = [json.loads(x) for x in (src / "instances.jsonl").read_text().splitlines()]
+    tried = [json.loads(x) for x in (src / "tried.jsonl").read_text().splitlines()]
+    # as a kill during the third instance's run leaves it: no report, the second instance written
+    # but not yet its tried line, and a line cut short
+    (src / "report.json").unlink()
+    second = next(i for i, t in enumerate(tried) if t["mutant"] == kept[1]["mutant"])
+    (src / "tried.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tried[:second]) + '{"mutant": "inf')
+    (src / "instances.jsonl").write_text("".join(json.dumps(k) + "\n" for k in kept[:2]))
+    resumed = build_all(cfg, tmp_path)[0]
+    assert resumed["instances"] == first["instances"] == 3
+    assert [json.loads(x)["instance_id"] for x in (src / "instances.jsonl").read_text().splitlines()] == \
+        [k["instance_id"] for k in kept]
+    assert resumed["mutants_tried"] == first["mutants_tried"]
+
+
+def test_swe_tasks_need_the_artifact():
+    with pytest.raises(ValueError, match="env_args.swe.root"):
+        tasks_for("swe", "train", 1, 0)
+    with pytest.raises(ValueError, match="env_args.swe.root"):
+        SWE()
