@@ -196,6 +196,14 @@ def weight_sync_delta(out: str) -> tuple[str, str]:
             ", ".join(f"{k} {v}" for k, v in r["settings"].items()))
 
 
+def swe_envs(out: str) -> tuple[str, str]:
+    r = last_json(out)
+    return (f"suite of 455 tests: plain {r['plain_s']:.2f} s, sandboxed {r['sandboxed_s']:.2f} s = "
+            f"{r['overhead_ratio']:.2f}x; {r['instances']} validated instances from {r['mutants_tried']} mutants in "
+            f"{r['build_s']:.0f} s = {r['instances_per_cpu_minute']:.1f} per CPU-minute",
+            ", ".join(f"{k} {v}" for k, v in r["settings"].items()))
+
+
 def vllm_rollout(out: str) -> tuple[str, str]:
     r = last_json(out)
     n, v = r["native"], r["vllm"]
@@ -286,6 +294,8 @@ BENCHES = [
           "RL update on 1 vs 2 gloo ranks, bucketed weight sync (tiny, small), INT4 mismatch with/without routing replay"),
     Bench("weight_sync_delta", ["--presets", "tiny", "--steps", "2", "--json"], ["--json"], weight_sync_delta,
           "RL weight sync: bytes per version whole vs delta, tiny and small, fp32 and bf16"),
+    Bench("swe_envs", ["--repeats", "2", "--instances", "4", "--json"], ["--json"], swe_envs,
+          "environments from a real repository: sandboxed vs plain test run, instances per CPU-minute"),
     Bench("vllm_rollout", ["--prompts", "4", "--group", "4", "--new-tokens", "8", "--repeats", "1", "--json"],
           ["--json"], vllm_rollout, "rollouts on vLLM vs the native engine, same model and tokens (make vllm-setup)"),
     Bench("curation_dask", ["--max-docs", "500", "--planted", "50"], [], curation_dask,

@@ -122,12 +122,12 @@ def _stopped_anyway(what: str, result: dict) -> None:
                                          f"{result['run']['state']}"))
 
 
-def _stopped(what: str, e: BaseException) -> None:
+def _stopped(what: str, e: BaseException, again: str = "`glmforge resume STAGE` continues from the last "
+                                                          "checkpoint") -> None:
     """A stop signal (SIGTERM, Ctrl-C) or a preempted stage: exit 128+signal, not a failure."""
     from glmforge.shutdown import exit_code
 
-    typer.echo(f"{what} interrupted ({type(e).__name__}: {e}); `glmforge resume STAGE` continues "
-               "from the last checkpoint", err=True)
+    typer.echo(f"{what} interrupted ({type(e).__name__}: {e}); {again}", err=True)
     raise typer.Exit(exit_code())
 
 
@@ -563,7 +563,7 @@ def envs_build(
         with shutdown.on_stop(shutdown.terminate_children):
             reports = build_all(section, out, lambda i, n, what: typer.echo(f"[{i}/{n}] {what}", err=True))
     except KeyboardInterrupt as e:
-        _stopped("envs build", e)
+        _stopped("envs build", e, "the same command goes on where it stopped")
     for r in reports:
         if not r["built"]:
             typer.echo(f"{r['source']}: not built ({r['reason']}): {r.get('detail', '')}", err=True)

@@ -212,7 +212,7 @@ END_TO_END = (
     "tests/training/test_rng_restore.py", "tests/training/test_dsa_stages.py", "tests/posttrain/test_sft.py",
     "tests/posttrain/test_rl_agentic.py", "tests/posttrain/test_rl_preemption.py",
     "tests/posttrain/test_rl_on_ranks.py", "tests/rl/test_ranks.py", "tests/data_processing/test_dask_curation.py",
-    "tests/posttrain/test_rl_served.py", "tests/rl/test_served.py",
+    "tests/posttrain/test_rl_served.py", "tests/rl/test_served.py", "tests/posttrain/test_swe_envs.py",
 )
 
 

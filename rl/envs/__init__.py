@@ -36,6 +36,7 @@ rl.agent.run_group takes as `context=` (bind its arguments with context_manager(
 """
 from __future__ import annotations
 
+import inspect
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
@@ -96,13 +97,15 @@ def make_env(name: str, **cfg: Any):
 
 
 def tasks_for(name: str, split: str, n: int, seed: int, args: dict[str, Any] | None = None) -> list[Task]:
-    """args: the environment's constructor arguments (env_args), for one whose tasks live in
-    data the stage names (swe: the swe-envs artifact)."""
+    """args: the environment's constructor arguments (env_args); those its `tasks` takes by name
+    reach it (swe: `root`, the swe-envs artifact its tasks live in)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    return _get(name).tasks(split, n, seed, **args) if args else _get(name).tasks(split, n, seed)
+    cls = _get(name)
+    wanted = inspect.signature(cls.tasks).parameters
+    return cls.tasks(split, n, seed, **{k: v for k, v in (args or {}).items() if k in wanted})
 
 
 def draw(pool: Sequence[Task], split: str, n: int, seed: int) -> list[Task]:

@@ -20,6 +20,7 @@ repositories").
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any, Sequence
@@ -45,8 +46,20 @@ def load(root: Path) -> list[dict]:
     return out
 
 
-def _heldout(instance_id: str) -> bool:
-    return int.from_bytes(instance_id.encode()[-4:].rjust(4, b"\0"), "big") * 7919 % 1000 < HELDOUT_PER_MILLE
+def _key(instance_id: str) -> int:
+    return int(hashlib.sha256(instance_id.encode()).hexdigest()[:8], 16) % 1000
+
+
+def heldout_ids(instances: list[dict]) -> set[str]:
+    """HELDOUT_PER_MILLE of the instances by a hash of their id, and at least one of them (and
+    not all) when there are two or more: a small build still has both splits."""
+    ids = sorted((_key(i["instance_id"]), i["instance_id"]) for i in instances)
+    held = {iid for k, iid in ids if k < HELDOUT_PER_MILLE}
+    if len(ids) >= 2 and not held:
+        held = {ids[0][1]}
+    if len(ids) >= 2 and len(held) == len(ids):
+        held.discard(ids[-1][1])
+    return held
 
 
 def source_dir(root: Path, source: str) -> Path:
@@ -109,12 +122,14 @@ class SWE:
         self._base: dict[str, str] = {}
 
     @classmethod
-    def tasks(cls, split: str, n: int, seed: int, root: str = "", **_: Any) -> list[Task]:
+    def tasks(cls, split: str, n: int, seed: int, root: str = "") -> list[Task]:
         if not root:
             raise ValueError("environment swe needs env_args.swe.root: the swe-envs artifact's folder")
+        instances = load(Path(root))
+        held = heldout_ids(instances)
         pool = [Task("swe", inst["problem_statement"], "", meta={k: inst[k] for k in (
                     "instance_id", "source", "file", "bug", "FAIL_TO_PASS", "PASS_TO_PASS", "tests")})
-                for inst in load(Path(root)) if _heldout(inst["instance_id"]) == (split == "heldout")]
+                for inst in instances if (inst["instance_id"] in held) == (split == "heldout")]
         if not pool:
             raise ValueError(f"no swe instances for split {split!r} under {root}")
         return draw(pool, split, n, seed)

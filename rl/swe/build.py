@@ -28,7 +28,8 @@ from typing import Any, Iterator, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rl.swe.mutate import mutants
+from glmforge.shutdown import stop_requested
+from rl.swe.mutate import count, mutant
 from rl.swe.python import BuildError, Python, TestRun, run_limits
 from rl.swe.sources import Source, SourceError, fetch
 
@@ -43,6 +44,9 @@ class BuildConfig(BaseModel):
     max_failing_share: float = Field(0.05, ge=0, lt=1, description="clean-run failures tolerated (left out of "
                                      "every instance), as a share of the tests")
     suite_timeout_s: float = Field(300.0, gt=0, description="one run of a source's test suite")
+    mutant_timeout_factor: float = Field(5.0, gt=1, description="a mutant's run may take this many times the clean "
+                                         "run (at least 10 s, at most suite_timeout_s): a mutant that loops forever "
+                                         "is given up on quickly")
     offline: bool = Field(False, description="install test dependencies from the installer's cache only")
     statement_failures: int = Field(3, ge=1, description="failure messages quoted in a statement")
 
@@ -143,12 +147,15 @@ def build_source(source: Source, out: Path, cache: Path, cfg: BuildConfig, seed:
     kept = _read_jsonl(out / "instances.jsonl")
     # an instance written just before a kill counts as tried (its tried line may be missing)
     tried = {r["mutant"] for r in _read_jsonl(out / "tried.jsonl")} | {k["mutant"] for k in kept}
+    limits = run_limits(min(cfg.suite_timeout_s, max(10.0, cfg.mutant_timeout_factor * clean.seconds)))
     for mutant_id, rel, text, mutated, desc in _mutants(repo, lang, cfg, seed):
+        if stop_requested():             # a stop signal: what is recorded so far is where a rerun goes on
+            raise KeyboardInterrupt(f"source {source.name}: stopped after {len(tried)} mutants")
         if len(kept) >= cfg.instances_per_source:
             break
         if mutant_id in tried:
             continue
-        run = lang.run_tests(repo, out / "venv", source.tests, run_limits(cfg.suite_timeout_s), files={rel: mutated})
+        run = lang.run_tests(repo, out / "venv", source.tests, limits, files={rel: mutated})
         f2p = sorted(clean.passed & run.failing)
         p2p = sorted(clean.passed & run.passed)
         why = None if run.status == "ok" and f2p else ("timeout" if run.status == "timeout" else
@@ -168,16 +175,23 @@ def build_source(source: Source, out: Path, cache: Path, cfg: BuildConfig, seed:
 
 
 def _mutants(repo: Path, lang: Python, cfg: BuildConfig, seed: int) -> Iterator[tuple[str, str, str, str, str]]:
-    """(id, file, text, mutated text, description): up to mutants_per_file of each source file,
-    in an order seeded by (seed, file), files interleaved so every file gets its turn."""
-    per_file = []
+    """(id, file, text, mutated text, description): up to mutants_per_file sites of each source
+    file, in an order seeded by (seed, file), files interleaved so every file gets its turn; each
+    mutant made when its turn comes (a large module has thousands of sites)."""
+    queues = []
     for rel in lang.source_files(repo):
-        text = (repo / rel).read_text(encoding="utf-8", errors="strict")
-        found = list(mutants(text))
-        random.Random(f"{seed}:{rel}").shuffle(found)
-        per_file.append([(f"{rel.replace('/', '.')}.{line}.{i}", rel, text, m, d)
-                         for i, (m, d, line) in enumerate(found[:cfg.mutants_per_file])])
-    while any(per_file):
-        for lst in per_file:
-            if lst:
-                yield lst.pop(0)
+        try:
+            text = (repo / rel).read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        order = list(range(count(text)))
+        random.Random(f"{seed}:{rel}").shuffle(order)
+        queues.append((rel, text, order[:cfg.mutants_per_file]))
+    while any(order for _, _, order in queues):
+        for rel, text, order in queues:
+            if order:
+                i = order.pop(0)
+                made = mutant(text, i)
+                if made is not None:
+                    mutated, desc, line = made
+                    yield f"{rel.replace('/', '.')}.{line}.{i}", rel, text, mutated, desc

@@ -139,27 +139,38 @@ def _mutate(site: tuple[str, ast.AST, int]) -> str:
     return apply_mutation(kind, node, sub)
 
 
+def count(text: str) -> int:
+    """How many mutable sites a module has (0 when it does not parse)."""
+    try:
+        return len(_all_sites(ast.parse(text)))
+    except SyntaxError:
+        return 0
+
+
+def mutant(text: str, i: int) -> tuple[str, str, int] | None:
+    """(mutated text, description, line) of site i, or None when no text edit gives that tree."""
+    lines = text.splitlines(keepends=True)
+    tree = ast.parse(text)
+    site = _all_sites(tree)[i]
+    target = _target(site)
+    r0, c0, r1, c1 = target.lineno - 1, target.col_offset, target.end_lineno - 1, target.end_col_offset
+    desc = _mutate(site)
+    expected = ast.dump(tree)
+    new = _target(site)
+    first, last = lines[r0].encode(), lines[r1].encode()     # offsets are UTF-8 bytes of the line
+    for replacement in (ast.unparse(new), f"({ast.unparse(new)})"):
+        out = "".join(lines[:r0]) + first[:c0].decode() + replacement + last[c1:].decode() + "".join(lines[r1 + 1:])
+        try:
+            if ast.dump(ast.parse(out)) == expected:         # the text parses to the mutated tree
+                return out, desc, target.lineno
+        except SyntaxError:
+            continue
+    return None
+
+
 def mutants(text: str) -> Iterator[tuple[str, str, int]]:
     """(mutated text, description, line) of every mutable site of a module, in order."""
-    try:
-        n = len(_all_sites(ast.parse(text)))
-    except SyntaxError:
-        return
-    lines = text.splitlines(keepends=True)
-    for i in range(n):
-        tree = ast.parse(text)
-        site = _all_sites(tree)[i]
-        target = _target(site)
-        r0, c0, r1, c1 = target.lineno - 1, target.col_offset, target.end_lineno - 1, target.end_col_offset
-        desc = _mutate(site)
-        expected = ast.dump(tree)
-        new = _target(site)
-        first, last = lines[r0].encode(), lines[r1].encode()     # offsets are UTF-8 bytes of the line
-        for replacement in (ast.unparse(new), f"({ast.unparse(new)})"):
-            out = "".join(lines[:r0]) + first[:c0].decode() + replacement + last[c1:].decode() + "".join(lines[r1 + 1:])
-            try:
-                if ast.dump(ast.parse(out)) == expected:     # the text parses to the mutated tree
-                    yield out, desc, target.lineno
-                    break
-            except SyntaxError:
-                continue
+    for i in range(count(text)):
+        m = mutant(text, i)
+        if m is not None:
+            yield m

@@ -160,3 +160,58 @@ def test_swe_tasks_need_the_artifact():
         tasks_for("swe", "train", 1, 0)
     with pytest.raises(ValueError, match="env_args.swe.root"):
         SWE()
+
+
+def test_rl_agentic_trains_on_the_instances_and_resumes_after_kill_9(tmp_path):
+    """build -> instances -> rl-agentic's `swe` environment on a tiny random policy: episodes run
+    and are judged (reward recorded; learning is not expected at this size), and a kill -9 of the
+    stage, then the rerun, continues from its checkpoint without repeating a group."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    from data_processing.tokenizer import train_tokenizer
+    from model.hf import save_state
+    from posttrain.rl_agentic import RLAgenticConfig, run_rl_agentic
+    from tests.rl.conftest import small_model
+
+    envs = tmp_path / "swe-envs"
+    run(SWEEnvsConfig(sources=[SOURCE], build={**BUILD, "instances_per_source": 6}, workers=1), {}, Workdir.at(envs))
+    tok = train_tokenizer(["def pluralize(word): return word + 's'", "assert 'oxen' == 'ox'"] * 40, vocab_size=300,
+                          min_frequency=2)
+    (tmp_path / "tokenize").mkdir()
+    tok.save(str(tmp_path / "tokenize" / "tokenizer.json"))
+    save_state(small_model(tok.get_vocab_size()), tmp_path / "rl-reasoning" / "consolidated.safetensors")
+    inputs = {"tokenize": tmp_path / "tokenize", "rl-reasoning": tmp_path / "rl-reasoning", "swe-envs": envs / "out"}
+    cfg = RLAgenticConfig(steps=3, prompts_per_step=2, group_size=2, optim={"lr": 1e-3}, max_new_tokens=8,
+                          max_turns=2, heldout=2, workers=1, eta=0, tau=0, sync_every=1, checkpoint_every=1,
+                          environments={"swe": 1.0},
+                          gates={"evals": {"arithmetic": 2, "gsm8k": 1, "gsm8k_max_new_tokens": 2, "tool": 1,
+                                           "tool_max_new_tokens": 2}, "tolerances": {}})
+    script = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {str(REPO)!r})
+        from pathlib import Path
+        from glmforge.stage import Workdir
+        from posttrain.rl_agentic import RLAgenticConfig, run_rl_agentic
+        cfg = RLAgenticConfig.model_validate_json({cfg.model_copy(update={"steps": 50}).model_dump_json()!r})
+        inputs = {{k: Path(v) for k, v in {json.dumps({k: str(v) for k, v in inputs.items()})}.items()}}
+        run_rl_agentic(cfg, inputs, Workdir.at(Path({str(tmp_path / "stage")!r}), seed=3))
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "stage.err", "w"))
+    metrics = tmp_path / "stage" / "checkpoint" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None and (
+            not metrics.is_file() or len(metrics.read_text().splitlines()) < 1):
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert metrics.is_file(), (tmp_path / "stage.err").read_text()[-2000:]
+    m = run_rl_agentic(cfg, inputs, Workdir.at(tmp_path / "stage", seed=3))
+    rec = [json.loads(x) for x in (tmp_path / "stage" / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rec] == [1, 2, 3] and m["groups_trained_twice"] == 0
+    assert all("reward" in r and 0.0 <= r["reward"] <= 1.0 for r in rec)
+    assert set(m["heldout_accuracy"]) == {"swe"}
