@@ -31,13 +31,16 @@ from rl.swe.sources import Source
 
 # The default sources: small, pure-Python, permissively licensed projects whose source
 # distributions ship their pytest suites, pinned by sha256 (fetched from the package index).
-DEFAULT_SOURCES = tuple(Source(name=n, kind="sdist", package=n, version=v, sha256=h, license=lic) for n, v, h, lic in [
+DEFAULT_SOURCES = tuple(Source(name=n, kind="sdist", package=n, version=v, sha256=h, license=lic,
+                               **({"test_requires": ("pytest<8",)} if n == "boltons" else {}))
+                        for n, v, h, lic in [
     ("inflection", "0.5.1", "1a29730d366e996aaacffb2f1f1cb9593dc38e2ddd30c91250c6dde09ea9b417", "MIT"),
     ("six", "1.17.0", "ff70335d468e7eb6ec65b95b99d3a2836546063f63acc5171de367e834932a81", "MIT"),
     ("toolz", "1.0.0", "2c86e3d9a04798ac556793bced838816296a2f085017664e4995cb40a1047a02", "BSD-3-Clause"),
     ("more-itertools", "10.5.0", "5482bfef7849c25dc3c6dd53a6173ae4795da2a41a80faea6700d9f5846c5da6", "MIT"),
     ("isodate", "0.7.2", "4cd1aa0f43ca76f4a6c6c0292a85f40b35ec2e43e315b59f06e6d32171a953e6", "BSD-3-Clause"),
     ("idna", "3.10", "12f65c9b470abda6dc35cf8e63cc574b1c52b11df2c86030af0ac09b01b13ea9", "BSD-3-Clause"),
+    # boltons' conftest.py implements a hook with the `path` argument pytest 8 removed
     ("boltons", "24.1.0", "4a49b7d57ee055b83a458c8682a2a6f199d263a8aa517098bda9bab813554b87", "BSD-3-Clause"),
 ])
 

@@ -203,7 +203,9 @@ class Python:
         root = self.import_root(repo)
         path = f"/sandbox/{REPORT_DIR}" + (f":/sandbox/{root}" if root else "")
         args = " ".join(_quote(a) for a in tests)
-        script = (f"export PYTHONPATH={path} PYTHONDONTWRITEBYTECODE=1 GLMFORGE_REPORT_DIR=/sandbox/{REPORT_DIR}\n"
+        # PYTHONHASHSEED: test ids built from sets (parametrize over a set) must not change between runs
+        script = (f"export PYTHONPATH={path} PYTHONDONTWRITEBYTECODE=1 PYTHONHASHSEED=0 "
+                  f"GLMFORGE_REPORT_DIR=/sandbox/{REPORT_DIR}\n"
                   f"{env}/bin/python -m pytest -q -p glmforge_report -p no:cacheprovider -p no:randomly "
                   f"-o addopts='' {args} > {REPORT_DIR}/out.txt 2>&1\n"
                   f"status=$?\ntail -c 4000 {REPORT_DIR}/out.txt\necho; echo '{marker}'\n"
