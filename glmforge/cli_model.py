@@ -113,7 +113,7 @@ def _rl_stage_pools(preset: str, plan) -> dict:
     import yaml
 
     from glmforge.config import CONFIGS_DIR, ConfigError, load_config, pipeline_model, preset_path
-    from rl.placement import RL_STAGES, stage_pools
+    from rl.placement import config_pools
 
     if not (CONFIGS_DIR / f"{preset}.yaml").is_file():
         return {}
@@ -121,17 +121,7 @@ def _rl_stage_pools(preset: str, plan) -> dict:
         config = load_config(preset)
     except ConfigError:               # a placement that does not fit: shown here, refused at a run
         config = pipeline_model().model_validate(yaml.safe_load(preset_path(preset).read_text()))
-    model = config.plan.model() if config.plan is not None else None
-    out = {}
-    for stage in RL_STAGES:
-        sec = getattr(config, stage, None)
-        if sec is None or model is None:
-            continue
-        try:
-            out[stage.replace("_", "-")] = stage_pools(sec, model, plan)
-        except ValueError as e:          # a trainer layout the model cannot take (ep vs experts)
-            out[stage.replace("_", "-")] = {"error": str(e)}
-    return out
+    return config_pools(config, plan)
 
 
 def _gb(parts: dict) -> str:

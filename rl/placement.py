@@ -42,11 +42,12 @@ def stage_pools(section: Any, model: ModelConfig, plan: Plan) -> dict:
     return out
 
 
-def config_pools(config: Any) -> dict[str, dict]:
-    """stage_pools of every RL-side stage of a pipeline config with a `plan:` ({} without one)."""
+def config_pools(config: Any, plan: Plan | None = None) -> dict[str, dict]:
+    """stage_pools of every RL-side stage of a pipeline config with a `plan:` ({} without one),
+    under that plan or `plan` (another cluster for the same model)."""
     if getattr(config, "plan", None) is None:
         return {}
-    model, plan = config.plan.model(), config.plan.plan()
+    model, plan = config.plan.model(), plan or config.plan.plan()
     out = {}
     for stage in RL_STAGES:
         section = getattr(config, stage, None)
