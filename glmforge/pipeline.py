@@ -42,10 +42,6 @@ CURATION: list[StageSpec] = [
               seeded=False),
     StageSpec("issue-pr", "issue_pr", issue_pr.IssuePRConfig, issue_pr.run, parents=(),
               fingerprint=issue_pr.fingerprint, seeded=False),
-    # software-engineering environments from real repositories (rl.swe), for rl-agentic's `swe`; its
-    # instances from issue-pr's pairs are not built yet, so it reads no artifact
-    StageSpec("swe-envs", "swe_envs", "posttrain.swe_envs:SWEEnvsConfig", "posttrain.swe_envs:run",
-              fingerprint="posttrain.swe_envs:fingerprint", seeded=False),
     StageSpec("decontaminate", "decontaminate", decontaminate.DecontaminateConfig, decontaminate.run,
               parents=("dedup-semantic", "issue-pr"), fingerprint=decontaminate.fingerprint, seeded=False),
     StageSpec("tokenize", "tokenize", tokenizer.TokenizeConfig, tokenizer.run, parents=("decontaminate",),
@@ -73,6 +69,10 @@ POSTTRAIN: list[StageSpec] = [
     StageSpec("sft", "sft", "posttrain.sft:SFTConfig", "posttrain.sft:run_sft", parents=("dsa-adapt", "tokenize")),
     StageSpec("rl-reasoning", "rl_reasoning", "posttrain.rl_reasoning:RLReasoningConfig",
               "posttrain.rl_reasoning:run_rl_reasoning", parents=("sft", "tokenize")),
+    # software-engineering environments from real repositories (rl.swe), for rl-agentic's `swe`; its
+    # instances from issue-pr's pairs are not built yet, so it reads no artifact
+    StageSpec("swe-envs", "swe_envs", "posttrain.swe_envs:SWEEnvsConfig", "posttrain.swe_envs:run",
+              fingerprint="posttrain.swe_envs:fingerprint", seeded=False),
     StageSpec("rl-agentic", "rl_agentic", "posttrain.rl_agentic:RLAgenticConfig",
               "posttrain.rl_agentic:run_rl_agentic", parents=("rl-reasoning", "tokenize", "swe-envs")),
     StageSpec("reward-model", "reward_model", "posttrain.reward_model:RewardModelConfig",

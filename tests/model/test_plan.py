@@ -156,8 +156,9 @@ def test_an_rl_layout_that_does_not_fit_is_refused_at_load_naming_the_pool():
                                        "rl_reasoning.rollout.servers.expert_parallel=8"])
     with pytest.raises(ConfigError, match=r"rl-agentic: the trainer pool \(512 GPUs, ZeRO-2, ep 8\) needs"):
         load_config("glm5", overrides=["rl_agentic.parallel.expert_parallel=8"])
+    urls = [f"http://rollouts-{i}.glmforge-vllm:8000" for i in range(6)]
     with pytest.raises(ConfigError, match="distill: its pools need 1088 GPUs .*the plan has 1024"):
-        load_config("glm5", overrides=["distill.rollout.servers.replicas=6"])
+        load_config("glm5", overrides=[f"distill.rollout.servers.urls={urls}"])
     with pytest.raises(ConfigError, match="expert_parallel=24 does not divide gpus_per_replica=64"):
         load_config("glm5", overrides=["rl_general.judge_servers.expert_parallel=24"])
     with pytest.raises(ConfigError, match="the ORM .* is served by native servers only"):

@@ -57,6 +57,7 @@ def test_the_opt_out_is_a_strict_bool_outside_the_stage_key():
 
 
 def test_sandboxed_environments_are_those_whose_module_uses_the_sandbox():
+    sandboxed = ("rl.sandbox", "rl.swe.python")            # rl.swe.python runs test suites through rl.sandbox
     uses = {name for name, cls in ENVIRONMENTS.items()
-            if any(getattr(v, "__module__", None) == "rl.sandbox" for v in vars(sys.modules[cls.__module__]).values())}
+            if any(getattr(v, "__module__", None) in sandboxed for v in vars(sys.modules[cls.__module__]).values())}
     assert uses == SANDBOXED_ENVIRONMENTS
