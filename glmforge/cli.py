@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -559,16 +560,19 @@ def envs_build(
         _fail(str(e))
     from glmforge import shutdown
 
+    t0 = time.perf_counter()
     try:
         with shutdown.on_stop(shutdown.terminate_children):
             reports = build_all(section, out, lambda i, n, what: typer.echo(f"[{i}/{n}] {what}", err=True))
+    except ValueError as e:
+        _fail(str(e))
     except KeyboardInterrupt as e:
         _stopped("envs build", e, "the same command goes on where it stopped")
     for r in reports:
         if not r["built"]:
             typer.echo(f"{r['source']}: not built ({r['reason']}): {r.get('detail', '')}", err=True)
     total = sum(r.get("instances", 0) for r in reports)
-    typer.echo(json.dumps(summary(reports, total, sum(r.get("seconds", 0) for r in reports)), indent=2))
+    typer.echo(json.dumps(summary(reports, total, time.perf_counter() - t0), indent=2))
 
 
 ApiOpt = typer.Option(None, "--api", help="Prefect API URL (default: $PREFECT_API_URL, else http://127.0.0.1:4200/api)")

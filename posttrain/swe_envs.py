@@ -15,6 +15,7 @@ Artifact:
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import time
@@ -55,8 +56,6 @@ class SWEEnvsConfig(StepConfig):
 
 def fingerprint(cfg: SWEEnvsConfig) -> str:
     """The local sources' files (a pinned archive is its sha256, already in the config)."""
-    import hashlib
-
     h = hashlib.sha256()
     for s in cfg.sources:
         if s.kind != "path":
@@ -77,13 +76,15 @@ def fingerprint(cfg: SWEEnvsConfig) -> str:
 def build_all(cfg: SWEEnvsConfig, root: Path, progress=None) -> list[dict[str, Any]]:
     """Every source built under root/sources/<name> (resuming), in parallel; their reports in
     config order."""
+    names = [s.name for s in cfg.sources]
+    if len(set(names)) != len(names):
+        raise ValueError(f"swe_envs.sources: two sources share a name ({sorted(n for n in names if names.count(n) > 1)[0]})")
     cache = root / "downloads"
-    samples = expand_path("{samples}")
     done = []
 
     def one(source: Source) -> dict[str, Any]:
-        sourced = source.model_copy(update={"path": str(expand_path(source.path))}) if source.kind == "path" else source
-        report = build_source(sourced, root / "sources" / source.name, cache, cfg.build, cfg.seed, samples)
+        sourced = source.model_copy(update={"path": str(expand_path(source.path))}) if source.path else source
+        report = build_source(sourced, root / "sources" / source.name, cache, cfg.build, cfg.seed)
         done.append(source.name)
         if progress is not None:
             progress(len(done), len(cfg.sources), f"swe-envs: {source.name} {'built' if report['built'] else report['reason']}")
@@ -94,8 +95,6 @@ def build_all(cfg: SWEEnvsConfig, root: Path, progress=None) -> list[dict[str, A
 
 
 def run(cfg: SWEEnvsConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
-    if len({s.name for s in cfg.sources}) != len(cfg.sources):
-        raise ValueError("swe_envs.sources: two sources share a name")
     t0 = time.perf_counter()
     build = workdir.checkpoint / "build"
     reports = build_all(cfg, build, workdir.progress)

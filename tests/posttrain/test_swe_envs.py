@@ -269,3 +269,16 @@ def test_attacks_score_0_or_are_caught_by_the_canary_recheck(artifact):
             assert canary_check(artifact, inst, changes, 120).score == 0.0, name
     assert paid == ["forge the report at exit", "patch pytest's reports"]
     assert canary_check(artifact, inst, reference_fix(artifact, inst), 120).score == 1.0   # the honest fix agrees
+
+
+def test_envs_build_names_bad_input_in_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from glmforge.cli import app
+
+    (tmp_path / "a" / "inflection").mkdir(parents=True)
+    res = CliRunner().invoke(app, ["envs", "build", "--out", str(tmp_path / "o"), "--source", str(INFLECTION),
+                                   "--source", str(tmp_path / "a" / "inflection")])
+    assert res.exit_code == 2 and "two sources share a name (inflection)" in res.output
+    res = CliRunner().invoke(app, ["envs", "build", "--out", str(tmp_path / "o"), "--set", "nosuch=1"])
+    assert res.exit_code == 2 and "swe_envs.nosuch" in res.output
