@@ -363,3 +363,35 @@ def test_weak_isolation_still_ends_a_detached_process(no_bwrap):
     r = run_python(_DAEMON.format(marker=marker), SandboxLimits(wall_s=2))
     assert r.stdout == "parent done\n", r
     assert processes_with(marker) == []
+
+
+def test_read_only_folders_are_seen_but_not_written_and_a_tree_is_copied(tmp_path):
+    """A prepared folder (a virtualenv) mounted with read_only: readable at its path, not
+    writable, nothing outside it added; `tree` is copied into the working folder, whose changes
+    never reach the original; and folders that must not be mounted are refused."""
+    shared = Path("/tmp") / f"glmforge-ro-{uuid.uuid4().hex}"
+    shared.mkdir(mode=0o755)
+    try:
+        (shared / "data.txt").write_text("mounted\n")
+        os.chmod(shared / "data.txt", 0o644)
+        tree = tmp_path / "tree"
+        tree.mkdir()
+        (tree / "f.txt").write_text("copied\n")
+        code = ("import os\n"
+                f"print(open({str(shared / 'data.txt')!r}).read().strip(), open('f.txt').read().strip())\n"
+                "open('f.txt', 'w').write('changed')\n"
+                "try:\n"
+                f"    open({str(shared / 'new.txt')!r}, 'w').write('x')\n"
+                "    print('wrote')\n"
+                "except OSError as e:\n"
+                "    print('refused', e.errno)\n")
+        r = sandbox.run_command([sandbox.SYSTEM_PYTHON, "-I", "-c", code], SandboxLimits(wall_s=10), tree=tree,
+                                read_only=(str(shared),))
+        assert r.status == "ok", r.stderr
+        assert r.stdout.split() == ["mounted", "copied", "refused", "30"]          # EROFS
+        assert not (shared / "new.txt").exists() and (tree / "f.txt").read_text() == "copied\n"
+    finally:
+        shutil.rmtree(shared)
+    for bad in ("/", "/etc", str(Path.home())):
+        with pytest.raises(ValueError, match="read_only"):
+            sandbox.run_command(["true"], read_only=(bad,))
