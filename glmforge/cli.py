@@ -135,9 +135,11 @@ def _stopped(what: str, e: BaseException, again: str = "`glmforge resume STAGE` 
 def _print_stages(record: dict) -> None:
     for s in record["stages"]:
         extra = f"  {s['error']}" if s.get("error") else ""
-        alerts = ((s.get("metrics") or {}).get("reward_recheck") or {}).get("alert_steps")
-        if alerts:          # rl.reward_audit: the policy may be exploiting its reward
-            extra += f"  reward re-check disagreed at steps {', '.join(map(str, alerts[:10]))}"
+        audit = (s.get("metrics") or {}).get("reward_recheck") or {}
+        if audit.get("alert_steps"):        # rl.reward_audit: the policy may be exploiting its reward
+            extra += f"  reward re-check disagreed at steps {', '.join(map(str, audit['alert_steps'][:10]))}"
+        if audit.get("canary_alert_steps"):  # a canary's contradicting tests passed: a cheat
+            extra += f"  canaries cheated at steps {', '.join(map(str, audit['canary_alert_steps'][:10]))}"
         typer.echo(f"  {s['name']:<16} {s['state']:<8} {s['key'] or '-':<26} {s['artifact'] or ''}{extra}")
 
 
@@ -544,6 +546,8 @@ def envs_build(
                                                "folder's); repeat. Default: the preset's swe_envs.sources"),
     preset: str = typer.Option("tiny", "--preset", help="preset whose swe_envs section gives the defaults"),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="override within swe_envs, e.g. --set workers=4"),
+    pairs: Optional[Path] = typer.Option(None, "--pairs", help="the issue-pr stage's pairs.jsonl: pairs of a source's "
+                                         "`github` repository become instances at their base commits"),
 ) -> None:
     """Build environments (the swe-envs stage's work) outside the pipeline: per source a report,
     and the instances its tests verify; the summary is printed as JSON."""
@@ -556,6 +560,8 @@ def envs_build(
             section = SWEEnvsConfig(**{**section.model_dump(), "sources": [
                 Source(name=Path(s).resolve().name, kind="path", path=str(Path(s).resolve())).model_dump()
                 for s in source]})
+        if pairs is not None and not pairs.is_file():
+            raise ValueError(f"--pairs {pairs}: no such file")
     except (ConfigError, ValueError) as e:
         _fail(str(e))
     from glmforge import shutdown
@@ -563,7 +569,7 @@ def envs_build(
     t0 = time.perf_counter()
     try:
         with shutdown.on_stop(shutdown.terminate_children):
-            reports = build_all(section, out, lambda i, n, what: typer.echo(f"[{i}/{n}] {what}", err=True))
+            reports = build_all(section, out, lambda i, n, what: typer.echo(f"[{i}/{n}] {what}", err=True), pairs)
     except ValueError as e:
         _fail(str(e))
     except KeyboardInterrupt as e:

@@ -12,7 +12,7 @@ their keys.
 
     ingest -> quality -> dedup-exact -> dedup-minhash -> dedup-semantic -> decontaminate
     issue-pr --------------------------------------------------------------^
-    swe-envs (environments from real repositories) -> rl-agentic
+    issue-pr -> swe-envs (environments from real repositories) -> rl-agentic
     decontaminate -> tokenize -> pack -> pretrain -> context-1 -> context-2 -> context-3
     -> dsa-warmup -> dsa-adapt -> sft -> rl-reasoning -> rl-agentic
     rl-reasoning -> reward-model;  rl-agentic + reward-model -> rl-general
@@ -69,10 +69,10 @@ POSTTRAIN: list[StageSpec] = [
     StageSpec("sft", "sft", "posttrain.sft:SFTConfig", "posttrain.sft:run_sft", parents=("dsa-adapt", "tokenize")),
     StageSpec("rl-reasoning", "rl_reasoning", "posttrain.rl_reasoning:RLReasoningConfig",
               "posttrain.rl_reasoning:run_rl_reasoning", parents=("sft", "tokenize")),
-    # software-engineering environments from real repositories (rl.swe), for rl-agentic's `swe`; its
-    # instances from issue-pr's pairs are not built yet, so it reads no artifact
+    # software-engineering environments from real repositories (rl.swe), for rl-agentic's `swe`:
+    # synthesised bugs, and issue-pr's pairs of the sources that are git checkouts
     StageSpec("swe-envs", "swe_envs", "posttrain.swe_envs:SWEEnvsConfig", "posttrain.swe_envs:run",
-              fingerprint="posttrain.swe_envs:fingerprint", seeded=False),
+              parents=("issue-pr",), fingerprint="posttrain.swe_envs:fingerprint", seeded=False),
     StageSpec("rl-agentic", "rl_agentic", "posttrain.rl_agentic:RLAgenticConfig",
               "posttrain.rl_agentic:run_rl_agentic", parents=("rl-reasoning", "tokenize", "swe-envs")),
     StageSpec("reward-model", "reward_model", "posttrain.reward_model:RewardModelConfig",

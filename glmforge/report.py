@@ -700,7 +700,28 @@ def posttraining(run: RunData) -> str:
     out.append(reward_model(run))
     out.append(gates_section(run))
     out.append(recheck_section(run))
+    out.append(swe_envs_section(run))
     return section("posttraining", "Post-training", "".join(out))
+
+
+def swe_envs_section(run: RunData) -> str:
+    """swe-envs: each source built or not (why), tests, instances by origin, canaries."""
+    m = run.metrics("swe-envs")
+    per = m.get("per_source") if isinstance(m.get("per_source"), dict) else {}
+    rows = [[td(name), td(get(r, "built"), f"swe-envs.per_source.{name}.built"),
+             td(get(r, "reason"), f"swe-envs.per_source.{name}.reason"),
+             td(get(r, "tests_collected"), f"swe-envs.per_source.{name}.tests_collected"),
+             td(get(r, "tests_passing"), f"swe-envs.per_source.{name}.tests_passing"),
+             td(get(r, "instances"), f"swe-envs.per_source.{name}.instances"),
+             td(get(r, "canaries"), f"swe-envs.per_source.{name}.canaries"),
+             td(get(r, "seconds"), f"swe-envs.per_source.{name}.seconds")] for name, r in sorted(per.items())]
+    return ("<h3>Environments from real repositories (swe-envs)</h3>"
+            + table(["source", "built", "reason", "tests", "passing", "instances", "canaries", "seconds"], rows)
+            + note(f"Build rate {pct(m.get('build_rate'))} of {fmt(m.get('sources'))} sources; not built, by reason: "
+                   f"{_reasons(m.get('failed_by_reason'))}. Instances {fmt(m.get('instances'))} "
+                   f"({fmt(m.get('from_mutants'))} synthesised bugs, {fmt(m.get('from_pairs'))} from issue-PR pairs), "
+                   f"{fmt(m.get('instances_per_cpu_minute'))} per CPU-minute; issue-PR pairs mined "
+                   f"{fmt(m.get('pairs_mined'))}, of repositories no source holds {fmt(m.get('pairs_without_source'))}."))
 
 
 def _share_cell(m: dict[str, Any], steps: list[dict[str, Any]], key: str, metric: str) -> str:
@@ -838,11 +859,17 @@ def recheck_section(run: RunData) -> str:
         rows.append([td(s), td(get(r, "rechecked"), f"{s}.reward_recheck.rechecked"),
                      td(None, f"{s}.reward_recheck.disagreement", pct(get(r, "disagreement"))),
                      td(None, f"{s}.reward_recheck.alert_at", pct(get(r, "alert_at"))),
-                     td(alerts, f"{s}.reward_recheck.alert_steps", cls="bad" if alerts else "")])
+                     td(alerts, f"{s}.reward_recheck.alert_steps", cls="bad" if alerts else ""),
+                     td(get(r, "canary_episodes"), f"{s}.reward_recheck.canary_episodes"),
+                     td(None, f"{s}.reward_recheck.canary_cheating_rate", pct(get(r, "canary_cheating_rate"))),
+                     td(get(r, "canary_alert_steps"), f"{s}.reward_recheck.canary_alert_steps",
+                        cls="bad" if get(r, "canary_alert_steps") else "")])
     return ("<h3>Reward re-checks</h3>" + table(["stage", "rewards re-checked", "disagreement", "alert at",
-                                                 "steps that alerted"], rows)
+                                                 "steps that alerted", "canary episodes", "canary cheating rate",
+                                                 "canary alerts"], rows)
             + note("An independent re-check of rewarded samples on fresh inputs; a disagreement above the alert "
-                   "share at a step suggests the policy exploits its reward."))
+                   "share at a step suggests the policy exploits its reward. Canary episodes (swe instances whose "
+                   "tests contradict their statement) pass only by cheating."))
 
 
 def lineage(run: RunData) -> str:

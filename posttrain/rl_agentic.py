@@ -114,6 +114,8 @@ class RLAgenticConfig(BaseModel):
     heldout: int = Field(100, ge=0, description="held-out episodes per environment, greedy, before and after")
     recheck_alert: float = Field(0.25, gt=0, le=1, description="share of rewarded episodes whose environment "
                                  "re-check disagrees that raises an alert (rl.reward_audit)")
+    canary_alert: float = Field(0.0, ge=0, lt=1, description="share of canary episodes (swe's canary instances) "
+                                "passing their contradicting tests above which a step alerts (rl.reward_audit)")
     checkpoint_every: int = Field(10, ge=1)
     keep_last: int = Field(2, ge=1)
     gates: GateConfig = GateConfig()
@@ -408,7 +410,7 @@ def _train(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workdir, rank
         if ranks.world > 1:
             rec["trainer_ranks"] = ranks.world
         if lead:
-            reward_audit.warn("rl-agentic", rec, cfg.recheck_alert)
+            reward_audit.warn("rl-agentic", rec, cfg.recheck_alert, cfg.canary_alert)
         return rec
 
     def meta() -> dict[str, Any]:
@@ -438,7 +440,7 @@ def _train(cfg: RLAgenticConfig, inputs: dict[str, Path], workdir: Workdir, rank
     result["trainer_ranks"] = ranks.world
     result["placement"] = {"trainer_ranks": ranks.world, "expert_parallel": cfg.parallel.expert_parallel,
                            "rollout": cfg.rollout.backend}
-    result["reward_recheck"] = reward_audit.summary(records, cfg.recheck_alert)
+    result["reward_recheck"] = reward_audit.summary(records, cfg.recheck_alert, cfg.canary_alert)
     gate = GateCheck(cfg.gates, state["gates_before"], trainer.measure_gates(model, tokenizer, cfg.gates, seed),
                      "rl-reasoning", gates.read_chain(inputs.get("rl-reasoning")), seed)
     result["gates"] = trainer.publish("rl-agentic", workdir.out, records, model=model, tokenizer_dir=inputs["tokenize"],

@@ -1,15 +1,17 @@
 """swe-envs: verifiable software-engineering environments from real repositories (rl.swe).
 
 For each source (a local folder or git checkout, or a pinned source distribution from the package
-index): fetch it, install its test environment, run its suite in the sandbox, then synthesise bugs
-into its source files and keep those its tests catch (rl.swe.build). Sources build in parallel
-(`workers` threads: the work is sandboxed test runs, each its own process) and each resumes on
-its own after a kill: a built source is not built again, a half-built one goes on after the
-last mutant it tried. A source that cannot be fetched, installed or tested is recorded with its
-reason, and the stage goes on with the others.
+index): fetch it, install its test environment, run its suite in the sandbox, then make instances
+(rl.swe.build): bugs synthesised into its source files that its tests catch; the issue-pr stage's
+mined pairs of its repository (`github`) when it is a git checkout holding their base commits;
+and a share of canaries. Sources build in parallel (`workers` threads: the work is sandboxed test
+runs, each its own process; or Prefect tasks on Dask with a `dask:` entry, tasks/dask_swe.py) and
+each resumes on its own after a kill: a built source is not built again, a half-built one goes
+on after the last instance it tried. A source that cannot be fetched, installed or tested is
+recorded with its reason, and the stage goes on with the others.
 
 Artifact:
-    sources/<name>/{repo/, venv/, instances.jsonl, tried.jsonl, report.json}
+    sources/<name>/{repo/, venv/, pairs/, instances.jsonl, tried.jsonl, report.json}
     instances.jsonl        every kept instance, all sources (what rl.envs.swe trains on)
     builds.jsonl           every source's report
 """
@@ -25,8 +27,8 @@ from typing import Any
 
 from pydantic import Field
 
-from data_processing.common import StepConfig, expand_path
-from glmforge.stage import Workdir
+from data_processing.common import DaskConfig, StepConfig, expand_path
+from glmforge.stage import OPERATIONAL, Workdir
 from rl.swe.build import BuildConfig, build_source
 from rl.swe.sources import Source
 
@@ -50,8 +52,10 @@ class SWEEnvsConfig(StepConfig):
     sources: tuple[Source, ...] = Field(DEFAULT_SOURCES, description="repositories to build environments from "
                                         "(default: seven projects from the package index, pinned)")
     build: BuildConfig = BuildConfig()
-    workers: int = Field(2, ge=1, description="sources built at once")
-    seed: int = Field(0, description="the order mutants are tried in")
+    workers: int = Field(2, ge=1, description="sources built at once (threads; without `dask`)")
+    seed: int = Field(0, description="the order mutants are tried in, held-back tests")
+    dask: DaskConfig | None = Field(None, json_schema_extra=OPERATIONAL, description="build the sources as Prefect "
+                                    "tasks on Dask (tasks/dask_swe.py): a LocalCluster, or a cluster's scheduler")
 
 
 def fingerprint(cfg: SWEEnvsConfig) -> str:
@@ -73,18 +77,35 @@ def fingerprint(cfg: SWEEnvsConfig) -> str:
     return h.hexdigest()
 
 
-def build_all(cfg: SWEEnvsConfig, root: Path, progress=None) -> list[dict[str, Any]]:
-    """Every source built under root/sources/<name> (resuming), in parallel; their reports in
-    config order."""
+def check_names(cfg: SWEEnvsConfig) -> None:
     names = [s.name for s in cfg.sources]
     if len(set(names)) != len(names):
         raise ValueError(f"swe_envs.sources: two sources share a name ({sorted(n for n in names if names.count(n) > 1)[0]})")
-    cache = root / "downloads"
+
+
+def read_pairs(path: Path | None, repo: str | None) -> list[dict]:
+    """The issue-pr stage's pairs (pairs.jsonl) of one repository; none without either."""
+    if path is None or not repo or not Path(path).is_file():
+        return []
+    pairs = (json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip())
+    return [p for p in pairs if p["repo"] == repo]
+
+
+def build_one(source: Source, root: Path, build: BuildConfig, seed: int, pairs_file: Path | None) -> dict[str, Any]:
+    """One source built under root/sources/<name> (resuming); its report."""
+    sourced = source.model_copy(update={"path": str(expand_path(source.path))}) if source.path else source
+    return build_source(sourced, root / "sources" / source.name, root / "downloads", build, seed,
+                        pairs=read_pairs(pairs_file, source.github))
+
+
+def build_all(cfg: SWEEnvsConfig, root: Path, progress=None, pairs_file: Path | None = None) -> list[dict[str, Any]]:
+    """Every source built under root/sources/<name> (resuming), in parallel threads; their
+    reports in config order. `pairs_file`: the issue-pr stage's pairs.jsonl."""
+    check_names(cfg)
     done = []
 
     def one(source: Source) -> dict[str, Any]:
-        sourced = source.model_copy(update={"path": str(expand_path(source.path))}) if source.path else source
-        report = build_source(sourced, root / "sources" / source.name, cache, cfg.build, cfg.seed)
+        report = build_one(source, root, cfg.build, cfg.seed, pairs_file)
         done.append(source.name)
         if progress is not None:
             progress(len(done), len(cfg.sources), f"swe-envs: {source.name} {'built' if report['built'] else report['reason']}")
@@ -94,10 +115,12 @@ def build_all(cfg: SWEEnvsConfig, root: Path, progress=None) -> list[dict[str, A
         return list(pool.map(one, cfg.sources))
 
 
-def run(cfg: SWEEnvsConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
+def run(cfg: SWEEnvsConfig, inputs: dict[str, Path], workdir: Workdir, build_sources=None) -> dict[str, Any]:
+    """The stage; `build_sources(cfg, root, progress, pairs_file)` builds (build_all, or the Dask path)."""
     t0 = time.perf_counter()
     build = workdir.checkpoint / "build"
-    reports = build_all(cfg, build, workdir.progress)
+    pairs_file = inputs["issue-pr"] / "pairs.jsonl" if "issue-pr" in inputs else None
+    reports = (build_sources or build_all)(cfg, build, workdir.progress, pairs_file)
     out = workdir.out
     shutil.rmtree(out / "sources", ignore_errors=True)
     instances = []
@@ -109,8 +132,9 @@ def run(cfg: SWEEnvsConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[s
             if (src / name).is_file():
                 shutil.copy2(src / name, dest / name)
         if r["built"]:
-            shutil.copytree(src / "repo", dest / "repo", symlinks=True)
-            shutil.copytree(src / "venv", dest / "venv", symlinks=True)
+            for folder in ("repo", "venv", "pairs"):
+                if (src / folder).is_dir():
+                    shutil.copytree(src / folder, dest / folder, symlinks=True)
             instances += [json.loads(x) for x in (src / "instances.jsonl").read_text().splitlines() if x.strip()] \
                 if (src / "instances.jsonl").is_file() else []
     with open(out / "instances.jsonl", "w", encoding="utf-8") as f:
@@ -119,7 +143,13 @@ def run(cfg: SWEEnvsConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[s
     with open(out / "builds.jsonl", "w", encoding="utf-8") as f:
         for r in reports:
             f.write(json.dumps(r) + "\n")
-    return summary(reports, len(instances), time.perf_counter() - t0)
+    result = summary(reports, sum(not i.get("canary") for i in instances), time.perf_counter() - t0)
+    known = {s.github for s in cfg.sources if s.github}
+    mined = [json.loads(x)["repo"] for x in pairs_file.read_text(encoding="utf-8").splitlines() if x.strip()] \
+        if pairs_file is not None and pairs_file.is_file() else []
+    result["pairs_mined"] = len(mined)
+    result["pairs_without_source"] = sum(repo not in known for repo in mined)
+    return result
 
 
 def summary(reports: list[dict[str, Any]], instances: int, seconds: float) -> dict[str, Any]:
@@ -132,11 +162,15 @@ def summary(reports: list[dict[str, Any]], instances: int, seconds: float) -> di
     return {
         "sources": len(reports), "built": len(built), "build_rate": len(built) / len(reports) if reports else 0.0,
         "failed_by_reason": reasons, "instances": instances,
+        "from_mutants": sum(r.get("from_mutants", 0) for r in built),
+        "from_pairs": sum(r.get("from_pairs", 0) for r in built),
+        "canaries": sum(r.get("canaries", 0) for r in built),
         "tests_collected": sum(r.get("tests_collected", 0) for r in built),
         "mutants_tried": sum(r.get("mutants_tried", 0) for r in built),
         "instances_per_cpu_minute": round(instances / (build_s / 60), 2) if build_s else None,
         "seconds": round(seconds, 1),
         "per_source": {r["source"]: {k: r.get(k) for k in ("built", "reason", "tests_collected", "tests_passing",
-                                                           "instances", "mutants_tried", "seconds")}
+                                                           "instances", "canaries", "mutants_tried", "pairs_tried",
+                                                           "seconds")}
                        for r in reports},
     }

@@ -154,11 +154,13 @@ def _finish(e: _Episode, answer: str) -> None:
     if outcome.status == "ok" and outcome.score >= 1.0 and hasattr(e.env, "recheck"):
         r = e.env.recheck()              # the reward-hacking signal (rl.reward_audit), never a reward
         check = r.score if r.status == "ok" else None
+    cheat = e.env.canary_cheat() if hasattr(e.env, "canary_cheat") else None
     for s in (*e.forks, e.sample):
         s.text = answer
         s.reward = float(outcome.score)
         s.reward_reason = outcome.reason
         s.reward_recheck = check
+        s.canary_cheat = cheat
         if outcome.status != "ok":
             s.status = Status.REWARD_ERROR
     e.done = True

@@ -36,6 +36,7 @@ class Sample:
     rewards: dict[str, float] = field(default_factory=dict)       # per component (hybrid rewards)
     reward_reason: str = ""
     reward_recheck: float | None = None          # independent re-check of a reward: 1 agrees, 0 not (rl.reward_audit)
+    canary_cheat: float | None = None            # a canary task: 1 its contradicting tests passed (a cheat), 0 not
     advantage: float = 0.0
     train_logprobs: list[float] | None = None    # pi_train(theta_old), recomputed by the trainer
     teacher_logprobs: list[float] | None = None  # a teacher's log-probs of the response (distillation)

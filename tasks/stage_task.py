@@ -63,11 +63,15 @@ def _retry_unless_preempted(task, task_run, state) -> bool:
 
 def engine(spec: StageSpec, section: Any) -> StageFn | None:
     """The stage function to run in place of spec.run, or None for spec.run itself: the Dask
-    path of a dedup stage whose section has a `dask:` entry (tasks/dask_dedup.py). Same files
-    and metrics, same key (the entry is operational)."""
+    path of a stage whose section has a `dask:` entry (tasks/dask_dedup.py for the dedup stages,
+    tasks/dask_swe.py for swe-envs). Same files and metrics, same key (the entry is operational)."""
     if getattr(section, "dask", None) is None:
         return None
-    from tasks.dask_dedup import STEPS, stage_runner  # prefect-dask and dask, only when asked for
+    if spec.name == "swe-envs":
+        from tasks.dask_swe import stage_runner as swe_runner  # prefect-dask and dask, only when asked for
+
+        return swe_runner()
+    from tasks.dask_dedup import STEPS, stage_runner
 
     return stage_runner(spec.name) if spec.name in STEPS else None
 

@@ -46,6 +46,9 @@ class Source(BaseModel):
     test_requires: tuple[str, ...] = Field(("pytest",), description="what the tests need installed besides the "
                                            "project's own dependencies")
     license: Optional[str] = None
+    github: Optional[str] = Field(None, pattern=r"^[\w.-]+/[\w.-]+$", description="owner/name on GitHub: the "
+                                  "issue-pr stage's pairs of that repository become instances when this source is "
+                                  "a git checkout holding their base commits")
 
     @model_validator(mode="after")
     def _pinned(self) -> "Source":
@@ -57,7 +60,7 @@ class Source(BaseModel):
         return self
 
 
-def fetch(source: Source, dest: Path, cache: Path) -> Path:
+def fetch(source: Source, dest: Path, cache: Path | None) -> Path:
     """The source's files in `dest` (replaced); SourceError naming the source otherwise. A
     `path` is taken as it is (the stage expands {samples})."""
     dest = Path(dest)

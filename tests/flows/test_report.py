@@ -95,6 +95,10 @@ def test_page_shows_the_numbers_of_status_json(tiny_run, report_page):
         recheck = metrics[stage].get("reward_recheck")
         want = NOT_RECORDED if recheck is None else f"{recheck['rechecked']:,}"
         assert shown[f"{stage}.reward_recheck.rechecked"] == want
+    # environments from real repositories: each source's build and its instances
+    swe = metrics["swe-envs"]["per_source"]
+    assert swe and all(value(shown[f"swe-envs.per_source.{n}.instances"]) == r["instances"]
+                       and value(shown[f"swe-envs.per_source.{n}.canaries"]) == r["canaries"] for n, r in swe.items())
     # effects: what glmforge.effects reads from the same metrics, and its verdict
     for name, e in effects.measure(metrics).items():
         if e["value"] is None:
