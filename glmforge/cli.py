@@ -54,26 +54,6 @@ def ensure_homes() -> None:
 _prefect_database_lock = None  # the flock on this process's Prefect database, held until it exits
 
 
-def claim_prefect_database(home: Path):
-    """The SQLite database for this process's ephemeral Prefect server, and the open lock file
-    that keeps it this process's alone: $PREFECT_HOME/prefect.db when no other glmforge process
-    on this machine holds it, else prefect-run{N}.db of the first free slot N. Two servers on
-    one SQLite file crash on its migrations and locks ("database is locked"). The flock ends
-    with the process, however it ends, so a slot is reused by the next run."""
-    import fcntl
-    import itertools
-
-    home.mkdir(parents=True, exist_ok=True)
-    for slot in itertools.count():
-        lock = open(home / f".glmforge-db-{slot}.lock", "a")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.close()
-            continue
-        return home / ("prefect.db" if slot == 0 else f"prefect-run{slot}.db"), lock
-
-
 def own_prefect_database() -> None:
     """Before Prefect is imported: point this run's ephemeral Prefect server at a database no
     concurrent run uses (claim_prefect_database), and start it without block registration. Left
@@ -89,6 +69,8 @@ def own_prefect_database() -> None:
     chosen = ("PREFECT_API_URL", "PREFECT_SERVER_DATABASE_CONNECTION_URL", "PREFECT_API_DATABASE_CONNECTION_URL")
     if _prefect_database_lock is not None or any(os.environ.get(v) for v in chosen):
         return
+    from glmforge.serve import claim_prefect_database
+
     home = Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser()
     try:
         database, _prefect_database_lock = claim_prefect_database(home)
@@ -135,6 +117,13 @@ def _stopped(what: str, e: BaseException, again: str = "`glmforge resume STAGE` 
 def _print_stages(record: dict) -> None:
     for s in record["stages"]:
         extra = f"  {s['error']}" if s.get("error") else ""
+        if s["state"] in ("running", "interrupted"):
+            reached = [f"step {s['step']}" if s.get("step") is not None else "",
+                       f"checkpoint at step {s['checkpoint_step']}" if s.get("checkpoint_step") is not None
+                       else "no checkpoint yet" if "checkpoint_step" in s else ""]
+            extra += "  " + ", ".join(x for x in reached if x) if any(reached) else ""
+            if s.get("resume"):
+                extra += f"; continue it with `{s['resume']}`"
         audit = (s.get("metrics") or {}).get("reward_recheck") or {}
         if audit.get("alert_steps"):        # rl.reward_audit: the policy may be exploiting its reward
             extra += f"  reward re-check disagreed at steps {', '.join(map(str, audit['alert_steps'][:10]))}"
@@ -305,7 +294,7 @@ def status(
     record = RunRecord.load(st, run_id)
     if record is None:
         _fail(f"no run recorded in {st.uri}")
-    public = record.public()
+    public = record.public(st)
     if as_json:
         typer.echo(json.dumps(public, indent=2, sort_keys=True))
         return
@@ -653,12 +642,22 @@ def schedule_add(
 def serve(
     port: int = typer.Option(4200, help="Prefect server port (127.0.0.1)"),
     pool: str = typer.Option("glmforge", help="process work pool name"),
+    database: Optional[str] = typer.Option(
+        None, "--database", envvar="GLMFORGE_PREFECT_DATABASE", show_envvar=True,  # serve.DATABASE_ENV
+        help="the Prefect server's database: postgresql+asyncpg://USER:PASSWORD@HOST:PORT/DB (several "
+             "pipelines and workers at once), or sqlite+aiosqlite:///PATH. Default: $PREFECT_HOME/prefect.db "
+             "(SQLite). Give a password through the environment variable, not the command line"),
 ) -> None:
-    """Local Prefect server + process work pool + deployments from prefect.yaml + a worker."""
-    from glmforge.serve import serve_forever
+    """Local Prefect server + process work pool + deployments from prefect.yaml + a worker; a
+    server or worker that exits is started again, and everything stops on Ctrl-C or SIGTERM."""
+    from glmforge.serve import DATABASE_SETTINGS, serve_forever
 
     ensure_homes()
-    serve_forever(port=port, pool=pool)
+    database = database or next((os.environ[v] for v in DATABASE_SETTINGS if os.environ.get(v)), None)
+    try:
+        serve_forever(port=port, pool=pool, database=database)
+    except (ValueError, RuntimeError) as e:
+        _fail(str(e), 2 if isinstance(e, ValueError) else 1)
 
 
 def main() -> None:

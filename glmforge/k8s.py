@@ -19,6 +19,12 @@ What is rendered, all plain JSON:
   other pods only run sshd. GPUs per pod = launch.nproc_per_node.
 - `<group>/service.json`: that headless Service (`kubectl apply` it once per namespace).
 - `node-groups.json`: which stages go to which group, work pool and files.
+- `prefect-server/{deployment,service}.json`: the Prefect server on PostgreSQL, its database URL
+  from a Secret (`glmforge-prefect-db`, key `url`).
+
+Every pod requests its GPUs (`nvidia.com/gpu`), lands on the GPU node group (`node_selector`,
+default NVIDIA GPU feature discovery's label) and tolerates its taint (`tolerations`); its flow
+run sends Prefect heartbeats, which the zombie automation of deployments/automations.yaml needs.
 
 The pods' terminationGracePeriodSeconds is a job variable whose default is
 `shutdown.pod_grace_seconds(cfg)` (what `glmforge grace-period` prints). No template holds a
@@ -56,6 +62,12 @@ SCRATCH = "/scratch"  # GLMFORGE_HOME lives under it; a shared (ReadWriteMany) v
 # (with a warning; the default field validation is Warn). The templates carry them for the
 # worker, and the strict schema check ignores them.
 PREFECT_WORKER_POD_KEYS = {"parallelism": 1, "completions": 1}
+# where the GPUs are: the label NVIDIA's GPU feature discovery puts on a GPU node, and the taint
+# GPU node groups commonly carry (EKS, GKE and AKS GPU pools) so that only GPU pods land there
+GPU_NODE_SELECTOR = {"nvidia.com/gpu.present": "true"}
+GPU_TOLERATIONS = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+HEARTBEAT_S = 30          # Prefect's flow-run heartbeat period (PREFECT_FLOWS_HEARTBEAT_FREQUENCY, 30 at least)
+PREFECT_PORT = 4200
 PLACEHOLDER = re.compile(r"{{\s*([\w\.\-\[\]$]+)\s*}}")  # as prefect.utilities.templating
 
 
@@ -148,7 +160,8 @@ def _check_launch(name: str, stages: list[str], launch) -> None:
 def _variables(cfg, gpus: int | None, backend_nccl: bool) -> dict[str, Any]:
     from glmforge.shutdown import pod_grace_seconds
 
-    env = {"GLMFORGE_HOME": f"{SCRATCH}/glmforge"}
+    # heartbeats let the zombie automation (deployments/automations.yaml) mark a run whose pod died Crashed
+    env = {"GLMFORGE_HOME": f"{SCRATCH}/glmforge", "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S)}
     if backend_nccl:
         # the pod network's interface; RDMA clusters set their own NCCL_* through job variables
         env.update({"NCCL_DEBUG": "WARN", "NCCL_SOCKET_IFNAME": "eth0"})
@@ -168,7 +181,11 @@ def _variables(cfg, gpus: int | None, backend_nccl: bool) -> dict[str, Any]:
         "gpus": {"type": "integer", "default": gpus},
         "cpu": {"type": "string", "default": "64"},
         "memory": {"type": "string", "default": "1000Gi"},
-        "node_selector": {"type": "object", "additionalProperties": {"type": "string"}, "default": {}},
+        "node_selector": {"type": "object", "additionalProperties": {"type": "string"}, "default": GPU_NODE_SELECTOR,
+                          "description": "labels of the GPU node group's nodes (default: NVIDIA GPU feature "
+                                         "discovery's)"},
+        "tolerations": {"type": "array", "items": {"type": "object"}, "default": GPU_TOLERATIONS,
+                        "description": "taints of the GPU node group the pods tolerate"},
         "finished_job_ttl": {"type": "integer", "default": 86400},
         "termination_grace_period_seconds": {
             "type": "integer", "default": pod_grace_seconds(cfg),
@@ -201,6 +218,7 @@ def base_job_template(cfg, gpus: int | None = None) -> dict[str, Any]:
                     "terminationGracePeriodSeconds": "{{ termination_grace_period_seconds }}",
                     "serviceAccountName": "{{ service_account_name }}",
                     "nodeSelector": "{{ node_selector }}",
+                    "tolerations": "{{ tolerations }}",
                     "containers": [{
                         "name": "prefect-job",
                         "image": "{{ image }}",
@@ -314,6 +332,42 @@ def headless_service(group: NodeGroup) -> dict[str, Any]:
     }
 
 
+def prefect_server(database_secret: str = "glmforge-prefect-db") -> dict[str, Any]:
+    """The Prefect server for the cluster (a Deployment and its Service) on PostgreSQL: the
+    database URL (postgresql+asyncpg://...) comes from the Secret `database_secret` (key `url`),
+    never from this file."""
+    labels = {"app.kubernetes.io/name": "glmforge-prefect-server"}
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "glmforge-prefect-server", "labels": labels},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {"containers": [{
+                    "name": "prefect-server",
+                    "image": "glmforge:latest",
+                    "command": ["prefect", "server", "start", "--host", "0.0.0.0", "--port", str(PREFECT_PORT)],
+                    "env": [
+                        {"name": "PREFECT_SERVER_DATABASE_CONNECTION_URL",
+                         "valueFrom": {"secretKeyRef": {"name": database_secret, "key": "url"}}},
+                        {"name": "PREFECT_SERVER_ANALYTICS_ENABLED", "value": "false"},
+                    ],
+                    "ports": [{"name": "api", "containerPort": PREFECT_PORT}],
+                    "readinessProbe": {"httpGet": {"path": "/api/health", "port": PREFECT_PORT},
+                                       "periodSeconds": 10},
+                    "resources": {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "8Gi"}},
+                }]},
+            },
+        },
+    }
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "glmforge-prefect-server", "labels": labels},
+               "spec": {"selector": labels, "ports": [{"name": "api", "port": PREFECT_PORT}]}}
+    return {"prefect-server/deployment.json": deployment, "prefect-server/service.json": service}
+
+
 def render(cfg) -> dict[str, Any]:
     """Every file of deployments/k8s for this config: relative path -> JSON object."""
     groups = node_groups(cfg)
@@ -329,6 +383,7 @@ def render(cfg) -> dict[str, Any]:
             files[f"{g.name}/service.json"] = headless_service(g)
             entry.update(launcher=g.launch.launcher, service=f"{g.name}/service.json")
         index[g.name] = entry
+    files.update(prefect_server())
     files["node-groups.json"] = {"generated_by": "glmforge deploy k8s-templates", "kubernetes": K8S_VERSION,
                                  "groups": index}
     return files

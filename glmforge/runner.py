@@ -298,6 +298,7 @@ class RunRecord:
     heartbeat_s: float | None = None
     pid: int | None = None
     host: str | None = None
+    home: str | None = None         # the run's GLMFORGE_HOME: where its stages' checkpoints are
 
     @classmethod
     def new(cls, cfg: BaseModel, source: dict[str, Any], stage_names: list[str]) -> "RunRecord":
@@ -358,14 +359,69 @@ class RunRecord:
         data = store.get_json(f"runs/{run_id}.json")
         return cls(**data) if data else None
 
-    def public(self) -> dict[str, Any]:
-        """The `status --json` object."""
-        return {
-            "run": {"id": self.id, "state": self.shown_state(), "started": self.started, "finished": self.finished,
-                    "heartbeat": self.heartbeat, **self.source},
-            "stages": [{**{k: s[k] for k in ("name", "key", "state", "metrics", "artifact", "error")},
-                        "started": s.get("started"), "seconds": s.get("seconds")} for s in self.stages],
-        }
+    def public(self, store: Store | None = None) -> dict[str, Any]:
+        """The `status --json` object. With the run's store: a running or interrupted stage also
+        gets the step it reached, its last checkpoint's step (stage_progress) and, interrupted,
+        the command that continues it."""
+        shown = self.shown_state()
+        stages = []
+        for s in self.stages:
+            entry = {**{k: s[k] for k in ("name", "key", "state", "metrics", "artifact", "error")},
+                     "started": s.get("started"), "seconds": s.get("seconds")}
+            if s["state"] == "running" and shown != "running":
+                entry["state"] = "interrupted"          # its process is gone
+            if entry["state"] in ("running", "interrupted") and store is not None and s.get("work_key"):
+                entry.update(stage_progress(store, Path(self.home) if self.home else None, s["name"], s["work_key"]))
+                if entry["state"] == "interrupted":
+                    entry["resume"] = f"glmforge resume {s['name']} --run {self.id}"
+            stages.append(entry)
+        return {"run": {"id": self.id, "state": shown, "started": self.started, "finished": self.finished,
+                        "heartbeat": self.heartbeat, **self.source}, "stages": stages}
+
+
+def stage_progress(store: Store, home: Path | None, stage: str, work_key: str) -> dict[str, Any]:
+    """How far a stage that has not published got: `step`, the last step in its metrics.jsonl,
+    and `checkpoint_step`, its newest complete checkpoint's (the `latest` pointer,
+    training.checkpoint), from its working folder when this machine has it, else from the
+    checkpoint mirrored to a remote store. None where nothing is recorded."""
+    out: dict[str, Any] = {"step": None, "checkpoint_step": None}
+    folder = home / "work" / stage / work_key / "checkpoint" if home else None
+    if folder is not None and folder.is_dir():
+        metrics_path = folder / "metrics.jsonl"
+        if metrics_path.is_file():
+            out["step"] = _last_step(metrics_path.read_text(errors="replace"))
+        latest = sorted(folder.rglob("latest"), key=lambda p: len(p.parts))
+        if latest:
+            out["checkpoint_step"] = _tag_step(latest[0].read_text())
+        return out
+    if store.local_path("") is None:                # a remote store holds the mirrored checkpoint
+        prefix = f"checkpoints/{stage}/{work_key}/"
+        try:
+            names = store.list(prefix)
+            latest = sorted((n for n in names if n.rsplit("/", 1)[-1] == "latest"), key=lambda n: n.count("/"))
+            if latest:
+                out["checkpoint_step"] = _tag_step(store.get_bytes(latest[0]).decode())
+            if prefix + "metrics.jsonl" in names:
+                out["step"] = _last_step(store.get_bytes(prefix + "metrics.jsonl").decode(errors="replace"))
+        except Exception as e:                      # a status must show, whatever the store says
+            log.warning("%s: checkpoint in %s not readable: %s", stage, store.uri, e)
+    return out
+
+
+def _last_step(text: str) -> int | None:
+    for line in reversed(text.splitlines()):
+        try:
+            step = json.loads(line).get("step")
+        except (json.JSONDecodeError, AttributeError):
+            continue                                # a line cut by a kill
+        if isinstance(step, int):
+            return step
+    return None
+
+
+def _tag_step(tag: str) -> int | None:
+    tag = tag.strip()
+    return int(tag[5:]) if tag.startswith("step_") and tag[5:].isdigit() else None
 
 
 class Heartbeat:
@@ -386,6 +442,7 @@ class Heartbeat:
         with _record_lock:
             self.record.pid, self.record.host = os.getpid(), socket.gethostname()
             self.record.heartbeat_s = self.period
+            self.record.home = self.record.home or str(default_home())
         self._stamp()
         self._thread.start()
         return self
@@ -442,6 +499,12 @@ def execute(
                         # Resuming one stage (or a partial list): its parents come from the store.
                         upstream_found = runner.published_upstream(spec.name)
                         parents = {p: upstream_found[p] for p in spec.parents}
+                    # `glmforge status` shows it running, and finds its checkpoint by the work key
+                    with _record_lock:
+                        record.stage(spec.name).update(state="running", work_key=runner.work_key(spec, parents),
+                                                       error=None)
+                        record.home = str(runner.home)
+                    record.save(runner.store, latest=False)
                     res = run_one(spec, parents)
                 except BaseException as e:
                     try:

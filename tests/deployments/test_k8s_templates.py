@@ -32,8 +32,23 @@ def test_rendered_templates_pass_the_kubernetes_schema_and_the_prefect_shape(ren
     files = rendered[preset]
     checks = k8s.check_rendered(files)
     templates = [r for r, o in files.items() if "job_configuration" in o]
-    services = [r for r, o in files.items() if o.get("kind") == "Service"]
-    assert len(checks) == 2 * len(templates) + len(services) and len(templates) == len(services) + 1
+    objects = [r for r, o in files.items() if "kind" in o]
+    services = [r for r in objects if r.endswith("/service.json") and not r.startswith("prefect-server/")]
+    assert len(checks) == 2 * len(templates) + len(objects) and len(templates) == len(services) + 1
+    # every pod asks for its GPUs, on the GPU node group, tolerating its taint, and sends heartbeats
+    for rel in templates:
+        pod = k8s.job_from_template(files[rel])["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        assert c["resources"]["requests"]["nvidia.com/gpu"] == c["resources"]["limits"]["nvidia.com/gpu"] >= 1, rel
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}, rel
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"], rel
+        assert {"name": "PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "value": "30"} in c["env"], rel
+    # the Prefect server on PostgreSQL: its database URL from a Secret, never in the file
+    server = files["prefect-server/deployment.json"]["spec"]["template"]["spec"]["containers"][0]
+    url = next(e for e in server["env"] if e["name"] == "PREFECT_SERVER_DATABASE_CONNECTION_URL")
+    assert url == {"name": "PREFECT_SERVER_DATABASE_CONNECTION_URL",
+                   "valueFrom": {"secretKeyRef": {"name": "glmforge-prefect-db", "key": "url"}}}
+    assert "postgresql" not in json.dumps(files["prefect-server/deployment.json"])
     # every stage is in exactly one group
     groups = files["node-groups.json"]["groups"]
     stages = [s for g in groups.values() for s in g["stages"]]

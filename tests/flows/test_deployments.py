@@ -118,3 +118,89 @@ def _preempted_run_is_rerun_by_the_automation(served, store: str, published_key:
     assert shown["artifact"].endswith(f"artifacts/pretrain/{shown['key']}")
     assert shown["metrics"]["steps"] == steps
     assert 2 <= shown["metrics"]["resumed_from_step"] < steps, shown["metrics"]
+
+
+def test_a_run_whose_worker_and_process_die_is_crashed_then_rerun_from_its_checkpoint(served):
+    """kill -9 of the worker and its flow-run process (a node that dies) while pretraining:
+    serve starts a new worker and its server (the UI) never goes away; the run's heartbeats stop
+    and the zombie automation marks it Crashed within its bound (90 s without a heartbeat); the
+    rerun automation runs it again on the new worker and it completes from its checkpoint. And
+    serve's SQLite database is locked as a run's is (a run without PREFECT_API_URL takes the
+    next file)."""
+    import fcntl
+
+    import psutil
+
+    from glmforge.schedules import call
+
+    lock = open(Path(served.env["PREFECT_HOME"]) / ".glmforge-db-0.lock", "a")
+    with pytest.raises(BlockingIOError):
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    lock.close()
+
+    def worker() -> psutil.Process | None:
+        for p in psutil.Process(served.pid).children(recursive=True):
+            try:
+                if "worker" in p.cmdline() and served.pool in p.cmdline() and p.status() != psutil.STATUS_ZOMBIE:
+                    return p
+            except psutil.Error:
+                continue
+        return None
+
+    steps, store, logs = 14, str(served.home / "store"), lambda: served.logs(6000)
+    params = {"preset": "tiny", "overrides": [*FAST, f"pretrain.max_steps={steps}", "pretrain.checkpoint_every=2"],
+              "store": store}
+    t0 = time.time()
+    subprocess.run([PREFECT, "deployment", "run", "glmforge-stage/stage-pretrain", "--params", json.dumps(params)],
+                   env=served.env, cwd=REPO, capture_output=True, check=True, timeout=120)
+
+    def runs() -> list[dict]:
+        return [r for r in _flow_runs(served, "stage-pretrain") if r["parameters"].get("overrides") == params["overrides"]]
+
+    old, deadline = worker(), time.monotonic() + 600
+    while time.monotonic() < deadline:
+        logged = [m for m in served.home.glob("work/pretrain/*/checkpoint/metrics.jsonl") if m.stat().st_mtime > t0]
+        if logged and len(logged[0].read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("the run never trained 3 steps\n" + logs())
+    flow_run = _flow_run_process(served.pid, runs()[0]["id"])
+    assert old is not None and flow_run is not None
+    # the node dies: nothing of it reports anything (the worker frozen first, so that it cannot
+    # see its child go; a flow-run process left alive finds its output pipe broken and fails itself)
+    os.kill(old.pid, signal.SIGSTOP)
+    os.killpg(os.getpgid(flow_run.pid), signal.SIGKILL)
+    os.kill(flow_run.pid, signal.SIGKILL)
+    os.killpg(old.pid, signal.SIGKILL)
+    killed = time.monotonic()
+
+    # a new worker; the server up throughout; the dead run Crashed within the bound
+    deadline, new, first = time.monotonic() + 300, None, None
+    while time.monotonic() < deadline:
+        assert call(served.api, "GET", "/health") is True
+        new = new or (w if (w := worker()) is not None and w.pid != old.pid else None)
+        first = runs()[0]
+        if new is not None and first["state_type"] != "RUNNING":
+            break
+        time.sleep(1)
+    crashed_after = time.monotonic() - killed
+    assert new is not None and "the Prefect worker exited" in served.logs(), logs()
+    assert first["state_type"] == "CRASHED" and first["state"]["message"].startswith("No heartbeat for 90 s"), \
+        (first["state_type"], first["state"]["message"], logs())
+    assert crashed_after < 90 + 60, crashed_after          # 90 s without a heartbeat, checked every few seconds
+
+    # rerun by the automation on the new worker: completes from the checkpoint
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        done = [r for r in runs() if r["parameters"].get("preemptions") == 1 and
+                r["state_type"] in ("COMPLETED", "FAILED", "CRASHED")]
+        if done:
+            break
+        time.sleep(2)
+    states = [(r["state_type"], r["state"]["message"], r["parameters"].get("preemptions")) for r in runs()]
+    assert len(states) == 2 and states[1][0] == "COMPLETED", (states, logs())
+    shown = _stage(_status(served.home), "pretrain")
+    assert shown["state"] == "done" and shown["metrics"]["steps"] == steps
+    assert 2 <= shown["metrics"]["resumed_from_step"] < steps, shown["metrics"]
+    print(f"\nkilled worker and flow run: Crashed after {crashed_after:.0f} s, rerun completed")

@@ -155,8 +155,14 @@ def test_sigkill_run_in_pretrain_then_cli_resume_is_bit_identical(where, tiny_ru
             break
         time.sleep(0.05)
     assert seen is not None, "pretrain finished or never checkpointed before it could be killed"
+    from glmforge.runner import RunRecord
+
+    live = RunRecord.load(st).public(st)         # what `glmforge status` shows while it trains
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    running = next(s for s in live["stages"] if s["name"] == "pretrain")
+    assert live["run"]["state"] == "running" and running["state"] == "running", running
+    assert running["checkpoint_step"] >= 2 and running["step"] >= running["checkpoint_step"]
     for _ in range(100):                     # the ranks die with their parent (PR_SET_PDEATHSIG)
         if not _orphans(home):
             break
@@ -165,6 +171,15 @@ def test_sigkill_run_in_pretrain_then_cli_resume_is_bit_identical(where, tiny_ru
     assert open_store(uri).manifest("pretrain", tiny_run.keys["pretrain"]) is None
     if where == "s3":
         shutil.rmtree(home / "work")         # another machine: the checkpoint comes back from S3
+    # after the kill: interrupted, the step its checkpoint holds, and the command that continues it
+    # (on S3, read from the checkpoint mirrored there: this machine no longer has the folder)
+    after = _status(env, *extra)
+    stopped = next(s for s in after["stages"] if s["name"] == "pretrain")
+    assert after["run"]["state"] == "interrupted" and stopped["state"] == "interrupted", stopped
+    assert stopped["checkpoint_step"] >= running["checkpoint_step"]
+    assert stopped["resume"] == f"glmforge resume pretrain --run {after['run']['id']}"
+    printed = subprocess.run([*GLMFORGE, "status", *extra], env=env, cwd=REPO, capture_output=True, text=True).stdout
+    assert f"checkpoint at step {stopped['checkpoint_step']}; continue it with `glmforge resume pretrain" in printed
 
     resumed = subprocess.run([*GLMFORGE, "resume", "pretrain", *extra], env=env, cwd=REPO, capture_output=True,
                              text=True)

@@ -144,7 +144,7 @@ def test_eval_of_a_missing_model_folder_is_refused_without_creating_a_store(tmp_
 
 
 def test_concurrent_runs_get_their_own_prefect_database(tmp_path):
-    from glmforge.cli import claim_prefect_database
+    from glmforge.serve import claim_prefect_database
 
     first, first_lock = claim_prefect_database(tmp_path)
     second, second_lock = claim_prefect_database(tmp_path)
@@ -164,7 +164,7 @@ def test_a_second_run_on_one_home_logs_its_wait_on_a_prefect_database_of_its_own
     import sqlite3
     import time
 
-    from glmforge.cli import claim_prefect_database
+    from glmforge.serve import claim_prefect_database
     from glmforge.config import load_config
     from glmforge.pipeline import STAGES, get_stage
     from glmforge.runner import Runner
