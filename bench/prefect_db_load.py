@@ -1,13 +1,14 @@
 """The Prefect server's database under glmforge's own load: SQLite (the laptop default) beside
 PostgreSQL (a throwaway server, tests/_postgres.py), same work, same script.
 
-    python bench/prefect_db_load.py [--pipelines 4] [--deployment-runs 6] [--schedule-every 5] [--json]
+    python bench/prefect_db_load.py [--pipelines 4] [--deployment-runs 6] [--schedule-every 10]
+                                    [--schedule-for 60] [--json]
 
 Per database: `glmforge serve` (its worker) plus a second worker on the same pool; then at once:
 `pipelines` runs of `glmforge run --until issue-pr` reporting to the server (each a flow run with
 its tasks), `deployment-runs` runs of the stage-issue-pr deployment through the two workers, and
-an interval schedule on that deployment firing every `schedule-every` seconds while the rest
-runs. Counted: flow runs completed, failed or crashed, and left unfinished; API errors (HTTP 5xx
+an interval schedule on that deployment firing every `schedule-every` seconds for the first
+`schedule-for` seconds (then turned off, its runs not yet due deleted). Counted: flow runs completed, failed or crashed, and left unfinished; API errors (HTTP 5xx
 and "database is locked" in every process's output); seconds until the submitted work ended.
 """
 from __future__ import annotations
@@ -83,16 +84,18 @@ def load(database: str | None, args) -> dict:
         schedules.add(api, "glmforge-stage/stage-issue-pr", every=args.schedule_every)
         for p in procs:
             p.wait(timeout=900)
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:   # the deployment and scheduled runs that have started end
-            runs = schedules.call(api, "POST", "/flow_runs/filter", {"limit": 200})
-            live = [r for r in runs if r["state_type"] in ("RUNNING", "PENDING")
-                    or (r["state_type"] == "SCHEDULED" and r.get("expected_start_time", "") <= _now())]
-            if not live:
+        time.sleep(max(0.0, t0 + args.schedule_for - time.monotonic()))
+        schedules.set_active(api, "glmforge-stage/stage-issue-pr", False)
+        for r in schedules.call(api, "POST", "/flow_runs/filter", {"limit": 500}):
+            if r["state_type"] == "SCHEDULED" and r.get("expected_start_time", "") > _now():
+                schedules.call(api, "DELETE", f"/flow_runs/{r['id']}")     # not due yet: never started
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:   # every run that is due has ended
+            runs = schedules.call(api, "POST", "/flow_runs/filter", {"limit": 500})
+            if not [r for r in runs if r["state_type"] in ("RUNNING", "PENDING", "SCHEDULED", "CANCELLING")]:
                 break
             time.sleep(2)
         seconds = time.monotonic() - t0
-        schedules.set_active(api, "glmforge-stage/stage-issue-pr", False)
         runs = schedules.call(api, "POST", "/flow_runs/filter", {"limit": 500})
         started = [r for r in runs if r["state_type"] != "SCHEDULED"]
         states = {}
@@ -127,7 +130,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--pipelines", type=int, default=4)
     ap.add_argument("--deployment-runs", type=int, default=6)
-    ap.add_argument("--schedule-every", type=float, default=5.0)
+    ap.add_argument("--schedule-every", type=float, default=10.0)
+    ap.add_argument("--schedule-for", type=float, default=60.0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     rows = [load(None, args)]

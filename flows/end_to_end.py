@@ -1,17 +1,19 @@
 """The whole pipeline as one Prefect flow, and a flow that runs (or resumes) one stage."""
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 from prefect import flow
+from prefect.states import Cancelled
 
 from glmforge.config import check_preemptions, load_config, pipeline_model
 from glmforge.pipeline import STAGES, get_stage, stages_until
 from glmforge.runner import Runner, RunRecord, execute
 from glmforge import shutdown
-from glmforge.shutdown import Preempted
+from glmforge.shutdown import CancelledByUser, Preempted
 from tasks.report import publish_run_report
-from tasks.stage_task import run_in_prefect
+from tasks.stage_task import cancel_intent, run_in_prefect
 from tasks.store import configured_store
 
 
@@ -61,6 +63,8 @@ def pipeline(
     record = RunRecord.new(cfg, _source(preset, config_file, overrides, until), [s.name for s in specs])
     try:
         execute(runner, specs, record, run_one=lambda spec, parents: run_in_prefect(spec, cfg.tasks, runner, parents))
+    except CancelledByUser as e:
+        return _cancelled(e)
     except Preempted:
         raise  # the pod is being stopped: its grace period is the checkpoint's, not a report's
     except Exception:
@@ -98,6 +102,22 @@ def stage(
         record = RunRecord.new(cfg, _source(preset, config_file, overrides, stage), [stage])
     runner = Runner(cfg, st, STAGES)
     record.state = "running"
-    execute(runner, [spec], record, run_one=lambda s, parents: run_in_prefect(s, cfg.tasks, runner, parents))
+    try:
+        execute(runner, [spec], record, run_one=lambda s, parents: run_in_prefect(s, cfg.tasks, runner, parents))
+    except CancelledByUser as e:
+        return _cancelled(e)
     return record.public()
+
+
+def _cancelled(e: CancelledByUser):
+    """A user's cancel ends the run Cancelled (never rerun) and reads as one. Under a worker that
+    announced the cancel, the stop goes back to Prefect's engine as the TerminationSignal it
+    handles as a cancel (an INFO line, exit status 0); elsewhere the flow returns Cancelled."""
+    if cancel_intent():
+        from prefect.exceptions import TerminationSignal
+        from prefect.logging.handlers import APILogHandler
+
+        APILogHandler().flush()          # the process exits on this path: the run's last lines first
+        raise TerminationSignal(signal=signal.SIGTERM) from None
+    return Cancelled(message=str(e))
 

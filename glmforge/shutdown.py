@@ -45,6 +45,11 @@ class Preempted(RuntimeError):
     from the checkpoint written on the way out."""
 
 
+class CancelledByUser(Preempted):
+    """A stop that was a user's cancel (Prefect's Cancel of the flow run): the stage stopped as
+    on any stop, its checkpoint kept, and the run ends Cancelled, never rerun."""
+
+
 # ---------------------------------------------------------------- command processes
 _lock = threading.Lock()
 _stop = threading.Event()

@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import re
 from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
-from prefect.states import Completed
+from prefect.exceptions import TerminationSignal
+from prefect.states import Cancelled, Completed
 
 from glmforge.config import RetryConfig
 from glmforge.runner import Runner, StageResult
-from glmforge.shutdown import Preempted
+from glmforge.shutdown import CancelledByUser, Preempted
 from glmforge.stage import StageFn, StageSpec
 from glmforge.store import Manifest, artifact_prefix
 from tasks.progress import StageProgress
@@ -51,6 +53,20 @@ def publish_prefect_artifacts(runner: Runner, result: StageResult) -> None:
                 key=f"{result.name}-{slug}",
                 markdown=f"### {result.name}: {f.path}\n\n![{f.path}](data:image/png;base64,{data})",
             )
+
+
+class CancelIsNotAnError(logging.Filter):
+    """Prefect's engines log every final state but Completed at ERROR; a user's cancel is not an
+    error, so its "Finished in state Cancelled" line is logged at INFO."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and str(record.msg).startswith("Finished in state Cancelled"):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+for _name in ("prefect.task_runs", "prefect.flow_runs"):
+    logging.getLogger(_name).addFilter(CancelIsNotAnError())
 
 
 def _retry_unless_preempted(task, task_run, state) -> bool:
@@ -92,6 +108,12 @@ def stage_task(spec: StageSpec, settings: RetryConfig):
         progress = StageProgress(spec.name)
         try:
             result = runner.run_stage(spec, parents, progress=progress, run=engine(spec, runner.section(spec)))
+        except (Preempted, KeyboardInterrupt, TerminationSignal) as e:
+            if not cancel_requested():
+                raise                    # a preemption: Failed, and the automation reruns it
+            message = cancelled_message(spec.name)
+            logger.info(message)
+            return Cancelled(message=message, data=CancelledByUser(f"{message} ({type(e).__name__}: {e})"))
         finally:
             progress.close()
         publish_prefect_artifacts(runner, result)
@@ -104,9 +126,48 @@ def stage_task(spec: StageSpec, settings: RetryConfig):
     return run
 
 
+def cancel_intent() -> bool:
+    """Whether the worker that runs this flow run said, before its SIGTERM, that the SIGTERM is a
+    cancel (Prefect's control channel between a worker and its flow-run process)."""
+    try:
+        from prefect._internal.control_listener import get_intent
+    except ImportError:                  # a Prefect without the control channel
+        return False
+    return get_intent() == "cancel"
+
+
+def cancel_requested() -> bool:
+    """Whether this flow run is being cancelled by a user (the worker's cancel intent, or the run
+    Cancelling or Cancelled in Prefect): the stop that just arrived is that cancel, not a
+    preemption."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+    from prefect.runtime import flow_run
+
+    if cancel_intent():
+        return True
+    if not flow_run.id:
+        return False
+    try:
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(flow_run.id).state
+    except Exception:                    # no answer: treat the stop as a preemption (the safe side)
+        return False
+    return state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED)
+
+
+def cancelled_message(stage: str) -> str:
+    return (f"Cancelled by the user: {stage} stopped, its last checkpoint kept; "
+            f"`glmforge resume {stage}` continues it")
+
+
 def run_in_prefect(spec: StageSpec, settings: RetryConfig, runner: Runner, parents: dict[str, Manifest]) -> StageResult:
-    """Run a stage as its Prefect task and return its StageResult (raising its error if it failed).
+    """Run a stage as its Prefect task and return its StageResult (raising its error if it failed;
+    CancelledByUser when a user cancelled the run).
 
     The task may finish as a custom "Cached" state; calling it with return_state and reading
     the state's result gives the StageResult either way."""
-    return stage_task(spec, settings)(runner, parents, return_state=True).result()
+    state = stage_task(spec, settings)(runner, parents, return_state=True)
+    if state.is_cancelled():
+        raise CancelledByUser(state.message or cancelled_message(spec.name))
+    return state.result()

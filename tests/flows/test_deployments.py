@@ -204,3 +204,59 @@ def test_a_run_whose_worker_and_process_die_is_crashed_then_rerun_from_its_check
     assert shown["state"] == "done" and shown["metrics"]["steps"] == steps
     assert 2 <= shown["metrics"]["resumed_from_step"] < steps, shown["metrics"]
     print(f"\nkilled worker and flow run: Crashed after {crashed_after:.0f} s, rerun completed")
+
+
+def test_a_users_cancel_of_a_two_rank_pretraining_reads_as_a_cancel(served):
+    """Prefect's Cancel of a deployment run pretraining on 2 ranks: the run ends Cancelled with a
+    one-line reason, no ERROR line or traceback in its log and no task Failed on the way, no rank
+    or launcher left after 30 s, no rerun; its checkpoint is kept and the same deployment run
+    again continues from it."""
+    from glmforge.schedules import call
+
+    steps, store = 160, str(served.home / "store")
+    params = {"preset": "tiny", "store": store,
+              "overrides": [*FAST, f"pretrain.max_steps={steps}", "pretrain.checkpoint_every=4",
+                            "pretrain.launch.nproc_per_node=2"]}
+    t0 = time.time()
+    subprocess.run([PREFECT, "deployment", "run", "glmforge-stage/stage-pretrain", "--params", json.dumps(params)],
+                   env=served.env, cwd=REPO, capture_output=True, check=True, timeout=120)
+
+    def runs() -> list[dict]:
+        return [r for r in _flow_runs(served, "stage-pretrain") if r["parameters"].get("overrides") == params["overrides"]]
+
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        logged = [m for m in served.home.glob("work/pretrain/*/checkpoint/metrics.jsonl") if m.stat().st_mtime > t0]
+        if logged and len(logged[0].read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("the run never trained 3 steps\n" + served.logs())
+    first = runs()[0]
+    subprocess.run([PREFECT, "flow-run", "cancel", first["id"]], env=served.env, cwd=REPO, capture_output=True,
+                   check=True, timeout=60)
+    cancelled = time.monotonic()
+    while time.monotonic() < cancelled + 120 and runs()[0]["state_type"] != "CANCELLED":
+        time.sleep(1)
+    first = runs()[0]
+    assert first["state_type"] == "CANCELLED", (first["state_type"], first["state"]["message"], served.logs())
+    logs = call(served.api, "POST", "/logs/filter", {"logs": {"flow_run_id": {"any_": [first["id"]]}}, "limit": 200})
+    bad = [x["message"] for x in logs if x["level"] >= 40 or "Traceback" in x["message"]]
+    assert logs and not bad, "\n----\n".join(bad)
+    said = [x["message"] for x in logs if x["message"].startswith("Cancelled by the user: pretrain stopped")]
+    assert len(said) == 1 and "glmforge resume pretrain" in said[0], "\n".join(
+        f"{x['level']} {x['message'][:300]}" for x in logs)
+    tasks = call(served.api, "POST", "/task_runs/filter", {"flow_runs": {"id": {"any_": [first["id"]]}}})
+    assert [t["state_type"] for t in tasks] == ["CANCELLED"], [(t["name"], t["state_type"]) for t in tasks]
+    time.sleep(max(0.0, cancelled + 30 - time.monotonic()))
+    left = [p.pid for p in __import__("psutil").process_iter(["cmdline"])
+            if str(served.home) in " ".join(p.info["cmdline"] or []) and "launch" in " ".join(p.info["cmdline"] or [])]
+    assert left == [], left
+    assert len(runs()) == 1                                   # never rerun
+    # the same deployment run again continues from the checkpoint the cancel kept
+    run = subprocess.run([PREFECT, "deployment", "run", "glmforge-stage/stage-pretrain", "--params", json.dumps(params),
+                          "--watch", "--watch-timeout", "900"],
+                         env=served.env, cwd=REPO, capture_output=True, text=True, timeout=1000)
+    assert run.returncode == 0 and "Completed" in run.stdout, run.stdout[-2000:] + served.logs()
+    shown = _stage(_status(served.home), "pretrain")
+    assert shown["state"] == "done" and 2 <= shown["metrics"]["resumed_from_step"] < steps, shown["metrics"]
