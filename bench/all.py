@@ -323,6 +323,8 @@ NOT_BENCHES = {
     "effects_common": "helper module of the effects benches",
     "machine": "helper module: the machine line every bench prints",
     "gpu_check": "the CUDA check; writes its own report: python3 bench/gpu_check.py --out DIR",
+    "prefect_db_load": "a load test of the Prefect server's database, SQLite beside PostgreSQL (minutes; its table "
+                       "is in the README): python3 bench/prefect_db_load.py",
     "swe_forgery": "rates, not speed: what forging a test run pays in the swe environment and what catches it "
                    "(docs/swe-envs.md): python3 bench/swe_forgery.py",
 }

@@ -62,6 +62,7 @@ def load(database: str | None, args) -> dict:
                              stdout=open(logs / "serve.log", "wb"), stderr=subprocess.STDOUT)
     client_env = {k: v for k, v in env.items() if k != "GLMFORGE_PREFECT_DATABASE"} | {"PREFECT_API_URL": api}
     procs: list[subprocess.Popen] = []
+    worker2: subprocess.Popen | None = None
     try:
         deadline = time.monotonic() + 300
         while "Prefect UI:" not in (logs / "serve.log").read_text(errors="replace"):
@@ -86,25 +87,26 @@ def load(database: str | None, args) -> dict:
             p.wait(timeout=900)
         time.sleep(max(0.0, t0 + args.schedule_for - time.monotonic()))
         schedules.set_active(api, "glmforge-stage/stage-issue-pr", False)
-        for r in schedules.call(api, "POST", "/flow_runs/filter", {"limit": 500}):
+        for r in _all_runs(api):
             if r["state_type"] == "SCHEDULED" and r.get("expected_start_time", "") > _now():
                 schedules.call(api, "DELETE", f"/flow_runs/{r['id']}")     # not due yet: never started
         deadline = time.monotonic() + 900
         while time.monotonic() < deadline:   # every run that is due has ended
-            runs = schedules.call(api, "POST", "/flow_runs/filter", {"limit": 500})
+            runs = _all_runs(api)
             if not [r for r in runs if r["state_type"] in ("RUNNING", "PENDING", "SCHEDULED", "CANCELLING")]:
                 break
             time.sleep(2)
         seconds = time.monotonic() - t0
-        runs = schedules.call(api, "POST", "/flow_runs/filter", {"limit": 500})
+        runs = _all_runs(api)
         started = [r for r in runs if r["state_type"] != "SCHEDULED"]
         states = {}
         for r in started:
             states[r["state_type"]] = states.get(r["state_type"], 0) + 1
-        worker2.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            worker2.wait(timeout=30)
     finally:
+        if worker2 is not None:
+            worker2.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                worker2.wait(timeout=30)
         serve.send_signal(signal.SIGTERM)
         serve.wait(timeout=120)
         for p in procs:
@@ -118,6 +120,16 @@ def load(database: str | None, args) -> dict:
            "api_errors": errors, "seconds": round(seconds, 1)}
     shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _all_runs(api: str) -> list[dict]:
+    """Every flow run on the server (the API gives at most 200 a call)."""
+    out: list[dict] = []
+    while True:
+        page = schedules.call(api, "POST", "/flow_runs/filter", {"limit": 200, "offset": len(out)})
+        out += page
+        if len(page) < 200:
+            return out
 
 
 def _now() -> str:

@@ -25,28 +25,7 @@ from domains.task import Task  # noqa: E402
 from glmforge.stage import Workdir  # noqa: E402
 from posttrain.swe_envs import SWEEnvsConfig, run  # noqa: E402
 from rl.envs.swe import SWE, buggy_files, load, recheck_changes, reference_fix  # noqa: E402
-
-FORGE_AT_EXIT = '''
-import atexit as _a, json as _j, os as _o, sys as _s
-def _f():
-    m = _s.modules.get("glmforge_report")
-    if m is not None:
-        for k in list(m._out):
-            m._out[k] = "passed"
-        with open(_o.path.join(_o.environ["GLMFORGE_REPORT_DIR"], "report.json"), "w") as fh:
-            _j.dump({"outcomes": m._out, "messages": {}}, fh)
-_a.register(_f)
-'''
-PATCH_PYTEST = '''
-import _pytest.reports as _r
-_make = _r.TestReport.from_item_and_call.__func__
-def _passed(cls, item, call):
-    rep = _make(cls, item, call)
-    rep.outcome, rep.longrepr = "passed", None
-    return rep
-_r.TestReport.from_item_and_call = classmethod(_passed)
-'''
-
+from tests._swe_attacks import FORGE_AT_EXIT, PATCH_PYTEST  # noqa: E402
 
 def attempt(root: Path, inst: dict, changes: dict[str, str]) -> dict:
     env = SWE(root=str(root), test_timeout_s=120)

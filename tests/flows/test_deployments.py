@@ -120,6 +120,24 @@ def _preempted_run_is_rerun_by_the_automation(served, store: str, published_key:
     assert 2 <= shown["metrics"]["resumed_from_step"] < steps, shown["metrics"]
 
 
+def _pretrain_run(served, params: dict, steps_first: int = 3):
+    """Start a stage-pretrain deployment run with `params` and wait until it has trained
+    `steps_first` steps; a function listing the runs with these parameters (oldest first)."""
+    t0 = time.time()
+    subprocess.run([PREFECT, "deployment", "run", "glmforge-stage/stage-pretrain", "--params", json.dumps(params)],
+                   env=served.env, cwd=REPO, capture_output=True, check=True, timeout=120)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        logged = [m for m in served.home.glob("work/pretrain/*/checkpoint/metrics.jsonl") if m.stat().st_mtime > t0]
+        if logged and len(logged[0].read_text().splitlines()) >= steps_first:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"the run never trained {steps_first} steps\n" + served.logs())
+    return lambda: [r for r in _flow_runs(served, "stage-pretrain")
+                    if r["parameters"].get("overrides") == params["overrides"]]
+
+
 def test_a_run_whose_worker_and_process_die_is_crashed_then_rerun_from_its_checkpoint(served):
     """kill -9 of the worker and its flow-run process (a node that dies) while pretraining:
     serve starts a new worker and its server (the UI) never goes away; the run's heartbeats stop
@@ -150,21 +168,8 @@ def test_a_run_whose_worker_and_process_die_is_crashed_then_rerun_from_its_check
     steps, store, logs = 14, str(served.home / "store"), lambda: served.logs(6000)
     params = {"preset": "tiny", "overrides": [*FAST, f"pretrain.max_steps={steps}", "pretrain.checkpoint_every=2"],
               "store": store}
-    t0 = time.time()
-    subprocess.run([PREFECT, "deployment", "run", "glmforge-stage/stage-pretrain", "--params", json.dumps(params)],
-                   env=served.env, cwd=REPO, capture_output=True, check=True, timeout=120)
-
-    def runs() -> list[dict]:
-        return [r for r in _flow_runs(served, "stage-pretrain") if r["parameters"].get("overrides") == params["overrides"]]
-
-    old, deadline = worker(), time.monotonic() + 600
-    while time.monotonic() < deadline:
-        logged = [m for m in served.home.glob("work/pretrain/*/checkpoint/metrics.jsonl") if m.stat().st_mtime > t0]
-        if logged and len(logged[0].read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.2)
-    else:
-        raise AssertionError("the run never trained 3 steps\n" + logs())
+    old = worker()
+    runs = _pretrain_run(served, params)
     flow_run = _flow_run_process(served.pid, runs()[0]["id"])
     assert old is not None and flow_run is not None
     # the node dies: nothing of it reports anything (the worker frozen first, so that it cannot
@@ -217,21 +222,7 @@ def test_a_users_cancel_of_a_two_rank_pretraining_reads_as_a_cancel(served):
     params = {"preset": "tiny", "store": store,
               "overrides": [*FAST, f"pretrain.max_steps={steps}", "pretrain.checkpoint_every=4",
                             "pretrain.launch.nproc_per_node=2"]}
-    t0 = time.time()
-    subprocess.run([PREFECT, "deployment", "run", "glmforge-stage/stage-pretrain", "--params", json.dumps(params)],
-                   env=served.env, cwd=REPO, capture_output=True, check=True, timeout=120)
-
-    def runs() -> list[dict]:
-        return [r for r in _flow_runs(served, "stage-pretrain") if r["parameters"].get("overrides") == params["overrides"]]
-
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        logged = [m for m in served.home.glob("work/pretrain/*/checkpoint/metrics.jsonl") if m.stat().st_mtime > t0]
-        if logged and len(logged[0].read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.2)
-    else:
-        raise AssertionError("the run never trained 3 steps\n" + served.logs())
+    runs = _pretrain_run(served, params)
     first = runs()[0]
     subprocess.run([PREFECT, "flow-run", "cancel", first["id"]], env=served.env, cwd=REPO, capture_output=True,
                    check=True, timeout=60)

@@ -23,6 +23,7 @@ from rl.envs import tasks_for
 from rl.envs.swe import SWE, load, reference_fix, verdict
 from rl.swe.build import apply_hunk, hunk
 from rl.swe.mutate import mutants
+from tests._swe_attacks import FORGE_AT_EXIT, PATCH_PYTEST
 
 REPO = Path(__file__).resolve().parents[2]
 INFLECTION = REPO / "samples" / "repos" / "inflection"
@@ -264,28 +265,6 @@ def test_rl_agentic_trains_on_the_instances_and_resumes_after_kill_9(tmp_path):
     assert [r["step"] for r in rec] == [1, 2, 3] and m["groups_trained_twice"] == 0
     assert all("reward" in r and 0.0 <= r["reward"] <= 1.0 and "canary_cheating_rate" in r for r in rec)
     assert set(m["heldout_accuracy"]) == {"swe"}
-
-
-FORGE_AT_EXIT = '''
-import atexit as _a, json as _j, os as _o, sys as _s
-def _f():
-    m = _s.modules.get("glmforge_report")
-    if m is not None:
-        for k in list(m._out):
-            m._out[k] = "passed"
-        with open(_o.path.join(_o.environ["GLMFORGE_REPORT_DIR"], "report.json"), "w") as fh:
-            _j.dump({"outcomes": m._out, "messages": {}}, fh)
-_a.register(_f)
-'''
-PATCH_PYTEST = '''
-import _pytest.reports as _r
-_make = _r.TestReport.from_item_and_call.__func__
-def _passed(cls, item, call):
-    rep = _make(cls, item, call)
-    rep.outcome, rep.longrepr = "passed", None
-    return rep
-_r.TestReport.from_item_and_call = classmethod(_passed)
-'''
 
 
 def test_attacks_score_0_or_are_caught_by_the_canary_recheck(artifact):
