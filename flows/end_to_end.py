@@ -1,7 +1,6 @@
 """The whole pipeline as one Prefect flow, and a flow that runs (or resumes) one stage."""
 from __future__ import annotations
 
-import signal
 from typing import Any
 
 from prefect import flow
@@ -13,7 +12,7 @@ from glmforge.runner import Runner, RunRecord, execute
 from glmforge import shutdown
 from glmforge.shutdown import CancelledByUser, Preempted
 from tasks.report import publish_run_report
-from tasks.stage_task import cancel_intent, run_in_prefect
+from tasks.stage_task import run_in_prefect
 from tasks.store import configured_store
 
 
@@ -110,14 +109,6 @@ def stage(
 
 
 def _cancelled(e: CancelledByUser):
-    """A user's cancel ends the run Cancelled (never rerun) and reads as one. Under a worker that
-    announced the cancel, the stop goes back to Prefect's engine as the TerminationSignal it
-    handles as a cancel (an INFO line, exit status 0); elsewhere the flow returns Cancelled."""
-    if cancel_intent():
-        from prefect.exceptions import TerminationSignal
-        from prefect.logging.handlers import APILogHandler
-
-        APILogHandler().flush()          # the process exits on this path: the run's last lines first
-        raise TerminationSignal(signal=signal.SIGTERM) from None
+    """A user's cancel ends the run Cancelled (never rerun) and reads as one (tasks.stage_task's
+    CancelIsNotAnError keeps Prefect's own lines about it at INFO)."""
     return Cancelled(message=str(e))
-

@@ -211,6 +211,12 @@ def serve_forever(port: int = 4200, pool: str = "glmforge", database: str | None
     from glmforge.shutdown import install
 
     install()  # SIGTERM (docker stop, systemd) stops everything as Ctrl-C does
+    import socket
+
+    with socket.socket() as probe:       # another server there would answer our health checks
+        if probe.connect_ex(("127.0.0.1", port)) == 0:
+            raise ValueError(f"port {port} on 127.0.0.1 is in use (another Prefect server?); choose another "
+                             "with --port")
     lock = None
     if database:
         check_database(database)

@@ -13,7 +13,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
-from prefect.exceptions import TerminationSignal
+from prefect.exceptions import CancelledRun, TerminationSignal
 from prefect.states import Cancelled, Completed
 
 from glmforge.config import RetryConfig
@@ -56,12 +56,20 @@ def publish_prefect_artifacts(runner: Runner, result: StageResult) -> None:
 
 
 class CancelIsNotAnError(logging.Filter):
-    """Prefect's engines log every final state but Completed at ERROR; a user's cancel is not an
-    error, so its "Finished in state Cancelled" line is logged at INFO."""
+    """A user's cancel is not an error, but Prefect's engines log it as one: every final state but
+    Completed at ERROR ("Finished in state Cancelled"), and a flow run that returned Cancelled
+    under a worker as "Engine execution exited with unexpected exception" with the CancelledRun
+    traceback. Both are logged at INFO, the second as one line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR and str(record.msg).startswith("Finished in state Cancelled"):
+        if record.levelno < logging.ERROR:
+            return True
+        error = record.exc_info[1] if record.exc_info else None
+        if str(record.msg).startswith("Finished in state Cancelled"):
             record.levelno, record.levelname = logging.INFO, "INFO"
+        elif isinstance(error, CancelledRun):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg, record.args, record.exc_info, record.exc_text = "Flow run ended Cancelled.", None, None, None
         return True
 
 

@@ -53,6 +53,19 @@ def test_a_database_url_is_checked_before_anything_starts(tmp_path):
     assert "s3cret-pw" not in r.stdout + r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+def test_serve_refuses_a_port_another_server_holds(tmp_path):
+    """Another server on the port would answer serve's health checks in place of its own."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        r = subprocess.run([*GLMFORGE, "serve", "--port", str(port)], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PREFECT_HOME": str(tmp_path / "ph")})
+    assert r.returncode == 2 and f"port {port} on 127.0.0.1 is in use" in r.stderr, r.stderr
+
+
 async def _flow_run_states(url: str) -> list[tuple[str, str]]:
     import asyncpg
 
