@@ -90,8 +90,10 @@ def test_sigkill_mid_stage_then_resume_matches_uninterrupted(prefect_server, tmp
     env = _env(prefect_server, killed_home)
     status = json.loads(subprocess.run([*GLMFORGE, "status", "--json"], env=env, cwd=REPO,
                                        capture_output=True, text=True, check=True).stdout)
-    # the killed process is gone: status says so (a dead pid on this host, or a stale heartbeat)
-    assert status["stages"][0]["state"] == "not run" and status["run"]["state"] == "interrupted"
+    # the killed process is gone: status says so (a dead pid on this host, or a stale heartbeat),
+    # and the stage it was running says how to continue it
+    assert status["stages"][0]["state"] == "interrupted" and status["run"]["state"] == "interrupted"
+    assert status["stages"][0]["resume"] == f"glmforge resume ingest --run {status['run']['id']}"
 
     resumed = subprocess.run([*GLMFORGE, "resume", "ingest"], env=env, cwd=REPO, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

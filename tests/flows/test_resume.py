@@ -197,43 +197,6 @@ def test_sigkill_run_in_pretrain_then_cli_resume_is_bit_identical(where, tiny_ru
            {k: v for k, v in want_metrics.items() if k not in timing and "per_s" not in k}
 
 
-def test_sigkill_run_in_swe_envs_then_cli_resume_gives_the_uninterrupted_instances(tiny_run, prefect_server, tmp_path):
-    """swe-envs killed with -9 mid-source (sandboxed test runs in flight), then `glmforge resume
-    swe-envs`: it goes on after the last instance it recorded and publishes what the
-    uninterrupted run published."""
-    home = tmp_path / "home"
-    uri = str(home / "store")
-    _seed_upstream(tiny_run, uri, "swe-envs")
-    env = _env(prefect_server, home)
-    proc = subprocess.Popen([*GLMFORGE, "run", "--until", "swe-envs", *SET], env=env, cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    tried = (home / "work" / "swe-envs" / tiny_run.work_keys["swe-envs"] / "checkpoint" / "build" / "sources"
-             / "inflection" / "tried.jsonl")
-    deadline = time.monotonic() + 600
-    kept = tried.with_name("instances.jsonl")
-    while time.monotonic() < deadline and proc.poll() is None and \
-            (not kept.is_file() or len(kept.read_text().splitlines()) < 2):
-        time.sleep(0.05)
-    assert proc.poll() is None, "swe-envs finished before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    before = [x for x in kept.read_text().splitlines() if x.endswith("}")]
-    resumed = subprocess.run([*GLMFORGE, "resume", "swe-envs"], env=env, cwd=REPO, capture_output=True, text=True)
-    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
-
-    def instances(store: Path) -> list[dict]:
-        (path,) = (store / "artifacts" / "swe-envs" / tiny_run.keys["swe-envs"]).glob("data-*/instances.jsonl")
-        text = path.read_text()
-        return [{k: v for k, v in json.loads(x).items() if k != "suite_seconds"} for x in text.splitlines()]
-
-    want = instances(tiny_run.home / "store")
-    assert instances(home / "store") == want and len(want) == 20      # 16 and 4 canaries
-    # went on after them rather than starting over: their lines, timings included, are as the killed run wrote them
-    (published,) = (home / "store" / "artifacts" / "swe-envs" / tiny_run.keys["swe-envs"]).glob(
-        "data-*/sources/inflection/instances.jsonl")
-    assert before and published.read_text().splitlines()[:len(before)] == before
-
-
 # ---------------------------------------------------------------- Prefect retries a transient error
 def test_transient_error_is_retried_by_prefect_and_succeeds(prefect_server, tmp_path):
     import asyncio

@@ -423,3 +423,49 @@ def test_sources_built_as_prefect_tasks_on_dask_give_the_threaded_build(tmp_path
         got = [(tmp_path / w / "out" / "sources" / name / "instances.jsonl").read_text() for w in ("threads", "dask")]
         assert [json.loads(x)["FAIL_TO_PASS"] for x in got[0].splitlines()] == \
             [json.loads(x)["FAIL_TO_PASS"] for x in got[1].splitlines()]
+
+
+@pytest.mark.slow
+def test_sigkill_of_glmforge_run_in_swe_envs_then_resume_gives_the_uninterrupted_instances(tmp_path, prefect_server):
+    """`glmforge run --until swe-envs` killed with -9 mid-source (sandboxed test runs in flight),
+    then `glmforge resume swe-envs`: it goes on after the last instance it recorded (those lines,
+    timings included, are kept) and publishes what an uninterrupted run publishes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cli = [sys.executable, "-m", "glmforge.cli"]
+
+    def env(home: Path) -> dict[str, str]:
+        return {**os.environ, "PREFECT_API_URL": prefect_server, "GLMFORGE_HOME": str(home)}
+
+    killed, clean = tmp_path / "killed", tmp_path / "clean"
+    proc = subprocess.Popen([*cli, "run", "--until", "swe-envs"], env=env(killed), cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline, kept = time.monotonic() + 600, None
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = list(killed.glob("work/swe-envs/*/checkpoint/build/sources/inflection/instances.jsonl"))
+        if found and len(found[0].read_text().splitlines()) >= 2:
+            kept = found[0]
+            break
+        time.sleep(0.05)
+    assert kept is not None and proc.poll() is None, "swe-envs finished before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = [x for x in kept.read_text().splitlines() if x.endswith("}")]
+    resumed = subprocess.run([*cli, "resume", "swe-envs"], env=env(killed), cwd=REPO, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    subprocess.run([*cli, "run", "--until", "swe-envs"], env=env(clean), cwd=REPO, capture_output=True, check=True)
+
+    def published(home: Path, rel: str) -> list[str]:
+        (path,) = (home / "store" / "artifacts" / "swe-envs").glob(f"*/data-*/{rel}")
+        return path.read_text().splitlines()
+
+    def instances(home: Path) -> list[dict]:
+        return [{k: v for k, v in json.loads(x).items() if k != "suite_seconds"}
+                for x in published(home, "instances.jsonl")]
+
+    assert instances(killed) == instances(clean) and len(instances(clean)) == 20      # 16 and 4 canaries
+    assert before and published(killed, "sources/inflection/instances.jsonl")[:len(before)] == before
