@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from glmforge import schedules  # noqa: E402
-from tests._postgres import throwaway_postgres  # noqa: E402
+from tests._postgres import free_port, throwaway_postgres  # noqa: E402
 
 GLMFORGE = [sys.executable, "-m", "glmforge.cli"]
 PREFECT = str(Path(sys.executable).parent / "prefect")
@@ -38,17 +38,9 @@ API_ERROR = re.compile(r"database is locked|HTTP (?:Error )?5\d\d|\b5\d\d (?:Int
                        r"|OperationalError", re.I)
 
 
-def _port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def load(database: str | None, args) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="glmforge-dbload-"))
-    port, pool = _port(), "load"
+    port, pool = free_port(), "load"
     api = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect-home"), "GLMFORGE_HOME": str(tmp / "home"),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "2",

@@ -23,7 +23,7 @@ def postgres_bin() -> Path | None:
     return versions[-1].parent if versions else None
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -51,7 +51,7 @@ def throwaway_postgres(max_connections: int = 200) -> Iterator[str]:
     (root / "pw").write_text(password)
     if as_user:
         shutil.chown(root / "pw", as_user[2])
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PGPASSWORD": password}
 
     def pg(*args: str) -> None:
