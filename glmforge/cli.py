@@ -551,6 +551,9 @@ def envs_build(
                 for s in source]})
         if pairs is not None and not pairs.is_file():
             raise ValueError(f"--pairs {pairs}: no such file")
+        from posttrain.swe_envs import read_pairs
+
+        read_pairs(pairs, None)          # a malformed line is named before anything is built
     except (ConfigError, ValueError) as e:
         _fail(str(e))
     from glmforge import shutdown

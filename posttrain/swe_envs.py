@@ -84,11 +84,23 @@ def check_names(cfg: SWEEnvsConfig) -> None:
 
 
 def read_pairs(path: Path | None, repo: str | None) -> list[dict]:
-    """The issue-pr stage's pairs (pairs.jsonl) of one repository; none without either."""
-    if path is None or not repo or not Path(path).is_file():
+    """The issue-pr stage's pairs (pairs.jsonl) of repository `repo` (None: none, the file still
+    checked); ValueError naming the file and line of a malformed one."""
+    if path is None or not Path(path).is_file():
         return []
-    pairs = (json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip())
-    return [p for p in pairs if p["repo"] == repo]
+    pairs = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            pair = json.loads(line)
+            pair["repo"], pair["instance_id"]
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"{path}:{n}: not an issue-pr pair (a JSON object with repo, instance_id, ...): "
+                             f"{type(e).__name__}: {e}") from None
+        if pair["repo"] == repo:
+            pairs.append(pair)
+    return pairs
 
 
 def build_one(source: Source, root: Path, build: BuildConfig, seed: int, pairs_file: Path | None) -> dict[str, Any]:

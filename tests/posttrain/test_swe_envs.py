@@ -333,6 +333,11 @@ def test_envs_build_names_bad_input_in_one_line(tmp_path):
     assert res.exit_code == 2 and "two sources share a name (inflection)" in res.output
     res = CliRunner().invoke(app, ["envs", "build", "--out", str(tmp_path / "o"), "--set", "nosuch=1"])
     assert res.exit_code == 2 and "swe_envs.nosuch" in res.output
+    bad = tmp_path / "pairs.jsonl"
+    bad.write_text('{"repo": "a/b", "instance_id": "a__b-1"}\n{broken\n')
+    res = CliRunner().invoke(app, ["envs", "build", "--out", str(tmp_path / "o"), "--source", str(INFLECTION),
+                                   "--pairs", str(bad), "--set", "build={instances_per_source: 0, offline: true}"])
+    assert res.exit_code == 2 and f"{bad}:2: not an issue-pr pair" in res.output, res.output
 
 
 def _git(repo: Path, *args: str) -> str:
