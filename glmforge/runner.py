@@ -442,7 +442,6 @@ class Heartbeat:
         with _record_lock:
             self.record.pid, self.record.host = os.getpid(), socket.gethostname()
             self.record.heartbeat_s = self.period
-            self.record.home = self.record.home or str(default_home())
         self._stamp()
         self._thread.start()
         return self

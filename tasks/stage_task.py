@@ -116,12 +116,12 @@ def stage_task(spec: StageSpec, settings: RetryConfig):
         progress = StageProgress(spec.name)
         try:
             result = runner.run_stage(spec, parents, progress=progress, run=engine(spec, runner.section(spec)))
-        except (Preempted, KeyboardInterrupt, TerminationSignal) as e:
+        except (Preempted, KeyboardInterrupt, TerminationSignal):
             if not cancel_requested():
                 raise                    # a preemption: Failed, and the automation reruns it
             message = cancelled_message(spec.name)
             logger.info(message)
-            return Cancelled(message=message, data=CancelledByUser(f"{message} ({type(e).__name__}: {e})"))
+            return Cancelled(message=message)
         finally:
             progress.close()
         publish_prefect_artifacts(runner, result)
