@@ -20,10 +20,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from data_processing import ingest  # before pyarrow: the package sets Arrow's allocator
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from data_processing import ingest
 from data_processing.document import SCHEMA, read_documents, shard_paths
 from glmforge.config import ConfigError, load_config, parse_override
 from glmforge.stage import StageSpec, Workdir

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+import data_processing  # noqa: F401  before any test module imports pyarrow: it sets Arrow's allocator
+
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -233,3 +235,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if "vllm" in item.keywords and os.environ.get("GLMFORGE_TEST_VLLM") != "1":
             item.add_marker(vllm_off)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") == "loadgroup":
+        from tests._xdist_crash import CrashSafeLoadGroup
+
+        return CrashSafeLoadGroup(config, log)
+    return None

@@ -1,8 +1,12 @@
 """Dedup fanned out as Prefect tasks on 2 local Dask workers equals the single-process steps."""
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -68,6 +72,17 @@ def test_dedup_on_two_dask_workers_equals_single_process(src, tmp_path, prefect_
     assert m1["removed"] >= 5 and m1["candidate_pairs"] > m1["verified_pairs"], m1
     assert m1 == m2
     assert_same_output(w.out, tmp_path / "mh-dask")
+
+
+def test_arrow_allocates_from_the_system_allocator():
+    """pyarrow's bundled mimalloc crashed a Dask worker thread of this suite (data_processing/__init__):
+    importing the package, or the curate CLI before pyarrow, puts Arrow on the system allocator."""
+    assert pa.default_memory_pool().backend_name == "system"
+    env = {k: v for k, v in os.environ.items() if k != "ARROW_DEFAULT_MEMORY_POOL"}
+    for module in ("data_processing.sharded_dedup", "glmforge.curate"):
+        probe = f"import {module}, pyarrow; print(pyarrow.default_memory_pool().backend_name)"
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == "system", module
 
 
 def test_shard_steps_hold_one_band_and_pick_the_kept_member_by_quality(src, tmp_path):
