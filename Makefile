@@ -3,6 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 VLLM_VENV ?= .venv-vllm
+MLFLOW_VENV ?= .venv-mlflow
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
@@ -17,7 +18,7 @@ FIND_LINKS = $(or $(PIP_FIND_LINKS),$(shell python3 -m pip config get global.fin
 export UV_LINK_MODE := copy
 UV_INSTALL = $(1)/bin/uv pip install -q --compile-bytecode --python $(1)/bin/python $(foreach d,$(FIND_LINKS),--find-links $(d))
 
-.PHONY: setup vllm-setup demo effects effects-sweep test test-fast test-vllm bench clean
+.PHONY: setup vllm-setup mlflow-setup demo effects effects-sweep test test-fast test-vllm bench clean
 
 # model-written code runs under bubblewrap (rl/sandbox.py): installed here when root with apt-get
 setup: $(VENV)/.installed
@@ -45,6 +46,16 @@ $(VLLM_VENV)/.installed: requirements-vllm.txt
 	$(VLLM_VENV)/bin/uv pip uninstall -q --python $(VLLM_VENV)/bin/python torchvision torchaudio torchcodec
 	touch $@
 
+# The MLflow tracking server (tracking.backend=mlflow) in its own environment: mlflow pins a pyarrow
+# older than the project's; the pipeline itself uses mlflow-skinny, MLflow's client.
+mlflow-setup: $(MLFLOW_VENV)/.installed
+
+$(MLFLOW_VENV)/.installed: requirements-mlflow.txt
+	python3 -m venv $(MLFLOW_VENV)
+	$(MLFLOW_VENV)/bin/python -m pip install -q uv==$(UV_VERSION)
+	$(call UV_INSTALL,$(MLFLOW_VENV)) -r requirements-mlflow.txt
+	touch $@
+
 demo: setup
 	$(VENV)/bin/glmforge run --preset tiny
 	$(VENV)/bin/glmforge status
@@ -66,7 +77,7 @@ effects-sweep: setup
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
-test: setup
+test: setup mlflow-setup
 	$(PY) -m pytest -q -ra $(XDIST) --durations=25
 
 # the inner loop: unit tests only (tests/conftest.py END_TO_END lists what it leaves out)

@@ -145,12 +145,14 @@ def run(
 ) -> None:
     """Run the pipeline (stages already published for this config are reused)."""
     from glmforge.pipeline import get_stage, stages_until
+    from glmforge.tracking import TrackerUnavailable, check_tracking
 
     try:
         cfg = load_config(preset, config, set_)  # validated before any work (and before Prefect starts)
         if until:
             get_stage(until)
-    except (ConfigError, ValueError) as e:
+        check_tracking(cfg.tracking)
+    except (ConfigError, ValueError, TrackerUnavailable) as e:
         _fail(str(e))
     args = dict(
         preset=None if config else (preset or "tiny"),
@@ -417,6 +419,48 @@ def sweep(
 
 
 @app.command()
+def publish(
+    out: Path = typer.Option(..., "--out", help="folder for the release: full/ and int4/, each with README.md (the model card)"),
+    run_id: Optional[str] = typer.Option(None, "--run", help="run id (default: the latest run)"),
+    store: Optional[str] = StoreOpt,
+    name: Optional[str] = typer.Option(None, "--name", help="registered model name in MLflow's registry (the run's "
+                                       "tracking: section, or --tracking-uri); without it nothing is registered"),
+    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow tracking URI for --name "
+                                               "(default: the run's tracking.uri, or $MLFLOW_TRACKING_URI)"),
+    hf_repo: Optional[str] = typer.Option(None, "--hf-repo", help="Hugging Face Hub repo id (org/name): upload the "
+                                          "folder there, with the token in $HF_TOKEN"),
+) -> None:
+    """Publish a run's final model: the distill stage's exports with a model card, as versions of a
+    registered model in MLflow (--name) and on the Hugging Face Hub (--hf-repo)."""
+    from glmforge.publish import PublishError, push_to_hub, register, write_release
+    from glmforge.runner import RunRecord
+    from glmforge.tracking import TrackingConfig, check_tracking
+
+    st = _store(store)
+    record = RunRecord.load(st, run_id)
+    if record is None:
+        _fail(f"no run {run_id!r} in {st.uri}" if run_id else f"no run recorded in {st.uri}")
+    tracking = TrackingConfig(**(record.config.get("tracking") or {}))
+    if name:
+        tracking = tracking.model_copy(update={"backend": "mlflow", "uri": tracking_uri or tracking.uri})
+    token = os.environ.get("HF_TOKEN")
+    try:
+        if name:
+            check_tracking(tracking)
+        if hf_repo and not token:
+            raise PublishError("--hf-repo needs a Hugging Face token in $HF_TOKEN")
+        folder, _ = write_release(st, record, out)
+        typer.echo(f"release: {folder}")
+        if name:
+            versions = register(tracking, record, folder, name)
+            typer.echo(f"registered {name}: versions {', '.join(versions)} (full, int4)")
+        if hf_repo:
+            typer.echo(f"uploaded: {push_to_hub(folder, hf_repo, token)}")
+    except (PublishError, ValueError, RuntimeError) as e:
+        _fail(str(e), 1)
+
+
+@app.command()
 def report(
     run_id: Optional[str] = typer.Option(None, "--run", help="run id (default: the latest run)"),
     out: Optional[Path] = typer.Option(None, "--out", help="folder for run-ID.html (default: $GLMFORGE_HOME/reports)"),
@@ -650,15 +694,19 @@ def serve(
         help="the Prefect server's database: postgresql+asyncpg://USER:PASSWORD@HOST:PORT/DB (several "
              "pipelines and workers at once), or sqlite+aiosqlite:///PATH. Default: $PREFECT_HOME/prefect.db "
              "(SQLite). Give a password through the environment variable, not the command line"),
+    automations: Optional[Path] = typer.Option(
+        None, exists=True, dir_okay=False, help="Prefect automations to install (default: "
+        "deployments/automations.yaml: reruns of preempted and crashed runs, zombie runs Crashed after 90 s "
+        "without a heartbeat, abandoned cancels settled after 120 s)"),
 ) -> None:
     """Local Prefect server + process work pool + deployments from prefect.yaml + a worker; a
     server or worker that exits is started again, and everything stops on Ctrl-C or SIGTERM."""
-    from glmforge.serve import DATABASE_SETTINGS, serve_forever
+    from glmforge.serve import AUTOMATIONS, DATABASE_SETTINGS, serve_forever
 
     ensure_homes()
     database = database or next((os.environ[v] for v in DATABASE_SETTINGS if os.environ.get(v)), None)
     try:
-        serve_forever(port=port, pool=pool, database=database)
+        serve_forever(port=port, pool=pool, database=database, automations=automations or AUTOMATIONS)
     except (ValueError, RuntimeError) as e:
         _fail(str(e), 2 if isinstance(e, ValueError) else 1)
 

@@ -64,23 +64,26 @@ TRAINING: list[StageSpec] = [
               parents=("dsa-warmup", *LONG), version=LONG_DATA_VERSION),
 ]
 
+LOCAL_GPUS = "rl.placement:local_gpus"  # the RL-side stages' ranks and the servers they start
+
 POSTTRAIN: list[StageSpec] = [
     # GLM-5 post-trains the model that DSA continue-pretraining produced.
     StageSpec("sft", "sft", "posttrain.sft:SFTConfig", "posttrain.sft:run_sft", parents=("dsa-adapt", "tokenize")),
     StageSpec("rl-reasoning", "rl_reasoning", "posttrain.rl_reasoning:RLReasoningConfig",
-              "posttrain.rl_reasoning:run_rl_reasoning", parents=("sft", "tokenize")),
+              "posttrain.rl_reasoning:run_rl_reasoning", parents=("sft", "tokenize"), gpus=LOCAL_GPUS),
     # software-engineering environments from real repositories (rl.swe), for rl-agentic's `swe`:
     # synthesised bugs, and issue-pr's pairs of the sources that are git checkouts
     StageSpec("swe-envs", "swe_envs", "posttrain.swe_envs:SWEEnvsConfig", "posttrain.swe_envs:run",
               parents=("issue-pr",), fingerprint="posttrain.swe_envs:fingerprint", seeded=False),
     StageSpec("rl-agentic", "rl_agentic", "posttrain.rl_agentic:RLAgenticConfig",
-              "posttrain.rl_agentic:run_rl_agentic", parents=("rl-reasoning", "tokenize", "swe-envs")),
+              "posttrain.rl_agentic:run_rl_agentic", parents=("rl-reasoning", "tokenize", "swe-envs"), gpus=LOCAL_GPUS),
     StageSpec("reward-model", "reward_model", "posttrain.reward_model:RewardModelConfig",
-              "posttrain.reward_model:run_reward_model", parents=("rl-reasoning", "tokenize")),
+              "posttrain.reward_model:run_reward_model", parents=("rl-reasoning", "tokenize"), gpus=LOCAL_GPUS),
     StageSpec("rl-general", "rl_general", "posttrain.rl_general:RLGeneralConfig",
-              "posttrain.rl_general:run_rl_general", parents=("rl-agentic", "reward-model", "sft", "tokenize")),
+              "posttrain.rl_general:run_rl_general", parents=("rl-agentic", "reward-model", "sft", "tokenize"),
+              gpus=LOCAL_GPUS),
     StageSpec("distill", "distill", "posttrain.distill:DistillConfig", "posttrain.distill:run_distill",
-              parents=("rl-general", "sft", "rl-reasoning", "rl-agentic", "tokenize")),
+              parents=("rl-general", "sft", "rl-reasoning", "rl-agentic", "tokenize"), gpus=LOCAL_GPUS),
 ]
 
 STAGES: list[StageSpec] = [*CURATION, *TRAINING, *POSTTRAIN]

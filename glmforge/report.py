@@ -1006,6 +1006,15 @@ def sweep_table(sw: dict) -> str:
             + note(f"Wall time per seed: {walls}."))
 
 
+def tracked_note(record: RunRecord) -> str:
+    """The tracker's run of this run (glmforge.tracking), linked; its stages are its child runs."""
+    t = record.tracking or {}
+    if not t.get("link"):
+        return ""
+    return (f' Tracked in {esc(t.get("backend", ""))}: <a href="{esc(t["link"])}">run {esc(t.get("run_id", ""))}</a>'
+            " (each stage a child run).")
+
+
 def render(store: Store, record: RunRecord) -> str:
     """The whole page (HTML text) for one run record."""
     run = RunData(store, record)
@@ -1022,7 +1031,7 @@ def render(store: Store, record: RunRecord) -> str:
         "style-src 'unsafe-inline'\">"
         f"<title>glmforge run {esc(record.id)}</title><style>{CSS}</style></head><body><main>"
         f"<h1>glmforge run {esc(record.id)} — {esc(record.shown_state())}</h1>"
-        f'<p class="note">Report written {esc(made)} from {esc(store.uri)}.</p><nav>{nav}</nav>'
+        f'<p class="note">Report written {esc(made)} from {esc(store.uri)}.{tracked_note(record)}</p><nav>{nav}</nav>'
         + "".join(body) + "</main></body></html>"
     )
 

@@ -41,6 +41,8 @@ from typing import Any, Callable, Sequence
 
 from pydantic import BaseModel
 
+from glmforge.gpus import claim_gpus, stage_gpus
+from glmforge.tracking import open_tracker
 from glmforge.shutdown import Preempted, stop_requested
 from glmforge.stage import ProgressFn, StageFn, StageSpec, Workdir, upstream
 from glmforge.store import Lease, Manifest, Store, default_home
@@ -217,7 +219,7 @@ class Runner:
             seed=self.seed if spec.seeded else None,
         )
         inputs = {p: self.store.materialize(m, self.home / "cache") for p, m in parents.items()}
-        with _own_thread_count():
+        with _own_thread_count(), claim_gpus(spec.name, stage_gpus(spec, self.section(spec))):
             metrics = (run or spec.run)(self.section(spec), inputs, workdir)
         manifest = self.store.publish(
             spec.name,
@@ -299,6 +301,7 @@ class RunRecord:
     pid: int | None = None
     host: str | None = None
     home: str | None = None         # the run's GLMFORGE_HOME: where its stages' checkpoints are
+    tracking: dict[str, Any] | None = None  # the tracker's parent run (glmforge.tracking): uri, run_id, link
 
     @classmethod
     def new(cls, cfg: BaseModel, source: dict[str, Any], stage_names: list[str]) -> "RunRecord":
@@ -479,8 +482,10 @@ def execute(
     run_one = run_one or (lambda spec, parents: runner.run_stage(spec, parents))
     results: dict[str, StageResult] = {}
     record.state = "running"
+    tracker = open_tracker(getattr(runner.cfg, "tracking", None))
     with Heartbeat(record, runner.store):
         try:
+            record.tracking = tracker.begin(record, runner) or record.tracking
             record.save(runner.store)
             for spec in specs:
                 parents: dict[str, Manifest] | None = None
@@ -513,19 +518,23 @@ def execute(
                     with _record_lock:
                         record.fail(spec.name, key, e, ended_state(e))
                         record.stage(spec.name)["seconds"] = round(time.monotonic() - began, 3)
+                    tracker.stage_failed(spec, e, runner)
                     raise
                 results[spec.name] = res
                 with _record_lock:
                     record.mark(res)
                     record.stage(spec.name)["seconds"] = round(time.monotonic() - began, 3)
                 record.save(runner.store)
+                tracker.stage(spec, res, runner, record.stage(spec.name)["seconds"])
         except BaseException as e:
             with _record_lock:
                 record.state, record.finished = ended_state(e), _now()
             _save_on_the_way_out(record, runner.store)
+            tracker.end(record)
             raise
     record.state, record.finished = "completed", _now()
     record.save(runner.store)
+    tracker.end(record)
     return results
 
 

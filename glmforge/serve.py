@@ -26,6 +26,8 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from glmforge.gpus import CONCURRENCY_LIMIT, visible_gpus
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PREFECT = str(Path(sys.executable).parent / "prefect")
 # reruns a flow run that a preemption ended (see the file)
@@ -109,8 +111,8 @@ class LocalPrefect:
     """Start with `start()`, stop with `stop()` (or use as a context manager)."""
 
     def __init__(self, port: int = 4200, pool: str = "glmforge", home: Path | None = None, log_dir: Path | None = None,
-                 database: str | None = None):
-        self.port, self.pool = port, pool
+                 database: str | None = None, automations: Path = AUTOMATIONS):
+        self.port, self.pool, self.automations = port, pool, Path(automations)
         self.url = f"http://127.0.0.1:{port}/api"
         # the worker and the flow runs never see the database (its password)
         self.env = {k: v for k, v in os.environ.items() if k not in (*DATABASE_SETTINGS, DATABASE_ENV)}
@@ -162,7 +164,18 @@ class LocalPrefect:
             spec = pool_prefect_yaml(REPO_ROOT / "prefect.yaml", self.pool, Path(tmp) / "prefect.yaml")
             subprocess.run([PREFECT, "--no-prompt", "deploy", "--all", "--prefect-file", str(spec)],
                            env={**self.env, "PWD": str(REPO_ROOT)}, cwd=REPO_ROOT, check=True, stdout=subprocess.DEVNULL)
-        self.install_automations()
+        self.install_automations(self.automations)
+        self.limit_gpus(len(visible_gpus(self.env)))
+
+    def limit_gpus(self, gpus: int) -> None:
+        """The global concurrency limit `glmforge-gpus` at this machine's GPU count: a stage holds
+        a slot per GPU while it runs (tasks.stage_task.gpu_slots). None on a machine without."""
+        if gpus == 0:
+            return
+        created = subprocess.run([PREFECT, "global-concurrency-limit", "create", CONCURRENCY_LIMIT, "--limit",
+                                  str(gpus)], env=self.env, cwd=REPO_ROOT, capture_output=True)
+        if created.returncode != 0:     # kept by a server that outlived an earlier `serve`
+            self._prefect("global-concurrency-limit", "update", CONCURRENCY_LIMIT, "--limit", str(gpus))
 
     def install_automations(self, path: Path = AUTOMATIONS) -> None:
         """Create the automations of `path`, replacing any of the same name (a server that
@@ -205,7 +218,8 @@ class LocalPrefect:
         self.stop()
 
 
-def serve_forever(port: int = 4200, pool: str = "glmforge", database: str | None = None) -> None:
+def serve_forever(port: int = 4200, pool: str = "glmforge", database: str | None = None,
+                  automations: Path = AUTOMATIONS) -> None:
     """`glmforge serve`: `database` a URL (checked first), else $PREFECT_HOME/prefect.db held
     with the runs' lock (or the next free slot's file)."""
     from glmforge.shutdown import install
@@ -223,7 +237,7 @@ def serve_forever(port: int = 4200, pool: str = "glmforge", database: str | None
     else:
         path, lock = claim_prefect_database(Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser())
         database = f"sqlite+aiosqlite:///{path}"
-    local = LocalPrefect(port=port, pool=pool, database=database)
+    local = LocalPrefect(port=port, pool=pool, database=database, automations=automations)
     print(f"starting Prefect server on 127.0.0.1:{port} (database {masked(database)}) ...", flush=True)
     try:
         local.start()

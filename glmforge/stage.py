@@ -103,6 +103,9 @@ class StageSpec:
     # stages take their seeds from their own sections, so run.seed stays out of their keys and
     # their workdir.seed is None.
     seeded: bool = True
+    # GPUs the stage takes on its node (glmforge.gpus): None counts its ranks
+    # (launch.nproc_per_node); stages that start servers name a function of their section.
+    gpus: Callable[[Any], int] | str | None = None
 
     @property
     def config_cls(self) -> type:

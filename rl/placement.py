@@ -19,21 +19,35 @@ def _pool(cfg: Any) -> ServerPool:
                       weight_bytes=1.0 if cfg.weights == "fp8" else 2.0, external=bool(cfg.urls))
 
 
-def stage_pools(section: Any, model: ModelConfig, plan: Plan) -> dict:
-    """rl_pools for one stage's config section, as the section places its work."""
+def started_pools(section: Any) -> tuple[dict[str, Any], int]:
+    """The server pools a stage's section has running while its ranks train, by name (their
+    ServerPoolConfig: `rollouts`, `judge NAME`, `teacher NAME`), and how many judge or teacher
+    models each rank holds itself instead (rollouts not served)."""
     rollout = getattr(section, "rollout", None)
-    servers: dict[str, ServerPool] = {}
-    held = 0                        # judges and teachers each rank loads when they are not served
-    served = rollout is not None and rollout.backend == "served"
     judges = [j for j in ("grm", "orm") if getattr(section, "weights", {}).get(j, 0) > 0] \
         if hasattr(section, "judge_servers") else []
     teachers = list(getattr(section, "teachers", []) or [])
-    if served:
-        servers["rollouts"] = _pool(rollout.servers)
-        servers.update({f"judge {j}": _pool(section.judge_servers) for j in judges})
-        servers.update({f"teacher {t}": _pool(section.teacher_servers) for t in teachers})
-    else:
-        held = len(judges) + len(teachers)
+    if rollout is None or rollout.backend != "served":
+        return {}, len(judges) + len(teachers)
+    pools = {"rollouts": rollout.servers}
+    pools.update({f"judge {j}": section.judge_servers for j in judges})
+    pools.update({f"teacher {t}": section.teacher_servers for t in teachers})
+    return pools, 0
+
+
+def local_gpus(section: Any) -> int:
+    """GPUs an RL-side stage takes on its node (glmforge.gpus): its ranks there, and every
+    replica of the pools it starts itself (pools given as urls run elsewhere)."""
+    ranks = section.parallel.launch.nproc_per_node
+    pools, _ = started_pools(section)
+    return ranks + sum(p.replicas * p.gpus_per_replica for p in pools.values() if not p.urls)
+
+
+def stage_pools(section: Any, model: ModelConfig, plan: Plan) -> dict:
+    """rl_pools for one stage's config section, as the section places its work."""
+    rollout = getattr(section, "rollout", None)
+    pools, held = started_pools(section)
+    servers = {name: _pool(cfg) for name, cfg in pools.items()}
     par = section.parallel
     out = rl_pools(model, plan, par.launch.world_size, par.zero_stage, par.expert_parallel, servers,
                    generates=rollout is not None and rollout.backend == "native", models_in_ranks=held)

@@ -7,6 +7,7 @@ from prefect.artifacts import create_markdown_artifact
 from glmforge.report import summary_markdown, write_report
 from glmforge.runner import RunRecord
 from glmforge.store import Store
+from glmforge.tracking import log_report
 
 
 def publish_run_report(store: Store, record: RunRecord) -> None:
@@ -22,3 +23,4 @@ def publish_run_report(store: Store, record: RunRecord) -> None:
         logger.warning("run %s: report not written: %s: %s", record.id, type(e).__name__, e)
         return
     logger.info("run %s: report %s", record.id, path)
+    log_report(record, path)

@@ -5,18 +5,21 @@ everything that differs (name, section, version), so one factory serves them all
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import re
-from typing import Any
+from typing import Any, ContextManager
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.concurrency.sync import concurrency
 from prefect.exceptions import CancelledRun, TerminationSignal
 from prefect.states import Cancelled, Completed
 
 from glmforge.config import RetryConfig
+from glmforge.gpus import CONCURRENCY_LIMIT, stage_gpus, visible_gpus
 from glmforge.runner import Runner, StageResult
 from glmforge.shutdown import CancelledByUser, Preempted
 from glmforge.stage import StageFn, StageSpec
@@ -100,6 +103,22 @@ def engine(spec: StageSpec, section: Any) -> StageFn | None:
     return stage_runner(spec.name) if spec.name in STEPS else None
 
 
+def gpus_to_hold(spec: StageSpec, runner: Runner, parents: dict[str, Manifest]) -> int:
+    """The slots of `glmforge-gpus` a stage holds: its GPUs on a machine that has GPUs, none for
+    a stage whose artifact is already published (it will not run)."""
+    if not visible_gpus() or runner.store.manifest(spec.name, runner.key(spec, parents)) is not None:
+        return 0
+    return stage_gpus(spec, runner.section(spec))
+
+
+def gpu_slots(n: int) -> ContextManager:
+    """n slots of the global concurrency limit `glmforge-gpus` (created by `glmforge serve`, or
+    `prefect gcl create glmforge-gpus --limit N` for a cluster's N GPUs) while the block runs;
+    waits while they are taken. The slots are leased: a run whose machine died gives them back
+    when its lease lapses."""
+    return concurrency(CONCURRENCY_LIMIT, occupy=n) if n > 0 else contextlib.nullcontext()
+
+
 def stage_task(spec: StageSpec, settings: RetryConfig):
     """The Prefect task that runs `spec`: retries from config, our own store-level cache."""
 
@@ -115,7 +134,8 @@ def stage_task(spec: StageSpec, settings: RetryConfig):
         logger = get_run_logger()
         progress = StageProgress(spec.name)
         try:
-            result = runner.run_stage(spec, parents, progress=progress, run=engine(spec, runner.section(spec)))
+            with gpu_slots(gpus_to_hold(spec, runner, parents)):
+                result = runner.run_stage(spec, parents, progress=progress, run=engine(spec, runner.section(spec)))
         except (Preempted, KeyboardInterrupt, TerminationSignal):
             if not cancel_requested():
                 raise                    # a preemption: Failed, and the automation reruns it

@@ -3,7 +3,7 @@
     flows -> tasks -> glmforge (the application: registry, config, CLI, curate, serve)
           -> posttrain (stage drivers) -> rl (the RL library) -> training
           -> domains (tasks, tools, prompt pools) -> chat, quant, evals -> data_processing
-          -> the glmforge contract (stage, store, runner, shutdown) -> model -> kernels
+          -> the glmforge contract (stage, store, runner, shutdown, gpus, tracking) -> model -> kernels
 
 A library imports itself and the ranks below it; two libraries of one rank (chat, quant, evals)
 do not import each other. Libraries never import Prefect, the application or the flows; the
@@ -18,7 +18,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 LIBRARIES = ("data_processing", "chat", "quant", "evals", "domains", "training", "rl", "posttrain")
-CONTRACT = ("glmforge.stage", "glmforge.store", "glmforge.runner", "glmforge.shutdown")
+CONTRACT = ("glmforge.stage", "glmforge.store", "glmforge.runner", "glmforge.shutdown", "glmforge.gpus",
+            "glmforge.tracking")
 RANK = {"kernels": 0, "model": 1, "data_processing": 2, "chat": 3, "quant": 3, "evals": 3, "domains": 4,
         "training": 5, "rl": 6, "posttrain": 7, "glmforge": 8, "tasks": 9, "flows": 10}
 

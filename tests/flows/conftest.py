@@ -69,17 +69,32 @@ class TinyRun:
 
 
 @pytest.fixture(scope="session")
-def tiny_run(tmp_path_factory) -> TinyRun:
-    """Every registered stage run once with FAST, through the plain runner (no Prefect)."""
+def tracking_server(tmp_path_factory):
+    """One MLflow tracking server for the session (tests/_mlflow.py); the tiny run reports to it."""
+    from tests._mlflow import mlflow_server
+
+    with mlflow_server(tmp_path_factory.mktemp("mlflow")) as server:
+        yield server
+
+
+def tracked(uri: str, experiment: str) -> list[str]:
+    return ["tracking.backend=mlflow", f"tracking.uri={uri}", f"tracking.experiment={experiment}"]
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, tracking_server) -> TinyRun:
+    """Every registered stage run once with FAST, through the plain runner (no Prefect), tracked
+    in MLflow (experiment `tiny-run`; tests/flows/test_tracking.py reads it back)."""
     from glmforge.config import load_config
     from glmforge.pipeline import STAGES
     from glmforge.runner import Runner, RunRecord, execute
     from glmforge.store import LocalStore
 
     home = tmp_path_factory.mktemp("tiny-run")
-    cfg = load_config("tiny", None, FAST)
+    overrides = [*FAST, *tracked(tracking_server.uri, "tiny-run")]
+    cfg = load_config("tiny", None, overrides)
     runner = Runner(cfg, LocalStore(home / "store"), STAGES, home=home)
-    record = RunRecord.new(cfg, {"preset": "tiny", "config_file": None, "overrides": FAST, "until": None},
+    record = RunRecord.new(cfg, {"preset": "tiny", "config_file": None, "overrides": overrides, "until": None},
                            [s.name for s in STAGES])
     start = time.monotonic()
     results = execute(runner, STAGES, record)
@@ -103,13 +118,35 @@ class Served:
         return self.log.read_text(errors="replace")[-n:]
 
 
+# The zombie and abandoned-cancel automations of deployments/automations.yaml wait 90 and 120 s
+# (heartbeats every 30 s, Prefect's shortest); `served` installs a copy that waits ZOMBIE_S and
+# SETTLE_S.
+ZOMBIE_S, SETTLE_S = 50, 20
+
+
+def quick_automations(dest: Path) -> Path:
+    import yaml
+
+    from glmforge.serve import AUTOMATIONS
+
+    spec = yaml.safe_load(AUTOMATIONS.read_text())
+    within = {"glmforge-crash-zombie-runs": ZOMBIE_S, "glmforge-settle-abandoned-cancels": SETTLE_S}
+    for a in spec["automations"]:
+        if a["name"] in within:
+            a["trigger"]["within"] = within.pop(a["name"])
+    assert not within, f"not in {AUTOMATIONS}: {within}"
+    dest.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return dest
+
+
 @pytest.fixture(scope="package")
 def served(tiny_run, tmp_path_factory) -> Served:
     """`glmforge serve --pool ops-pool` as a user starts it, its worker's GLMFORGE_HOME a copy of
     the tiny run's home (every stage published there: a pipeline deployment is cached, and a
     stage with parents finds them). Started once: a server, ~20 deployments and a worker take
     about 40 s on 2 cores. Short scheduler and worker polling for the schedule test; stopped
-    when the tests of this folder are done (idle, it takes ~17% of a core)."""
+    when the tests of this folder are done (idle, it takes ~17% of a core). Its zombie and
+    abandoned-cancel automations wait ZOMBIE_S and SETTLE_S (quick_automations)."""
     from tests.conftest import free_port
 
     root = tmp_path_factory.mktemp("served")
@@ -121,7 +158,9 @@ def served(tiny_run, tmp_path_factory) -> Served:
            "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     log = root / "serve.log"
-    proc = subprocess.Popen([sys.executable, "-m", "glmforge.cli", "serve", "--port", str(port), "--pool", pool],
+    automations = quick_automations(root / "automations.yaml")
+    proc = subprocess.Popen([sys.executable, "-m", "glmforge.cli", "serve", "--port", str(port), "--pool", pool,
+                             "--automations", str(automations)],
                             env=env, cwd=REPO, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.flows.conftest import FAST
+from tests.flows.conftest import FAST, SETTLE_S, ZOMBIE_S
 
 REPO = Path(__file__).resolve().parents[2]
 GLMFORGE = [sys.executable, "-m", "glmforge.cli"]
@@ -139,16 +139,40 @@ def _stage_run(served, params: dict, steps_first: int = 3, deployment: str = "st
                     if r["parameters"].get("overrides") == params["overrides"]]
 
 
+def _worker(served):
+    import psutil
+
+    for p in psutil.Process(served.pid).children(recursive=True):
+        try:
+            if "worker" in p.cmdline() and served.pool in p.cmdline() and p.status() != psutil.STATUS_ZOMBIE:
+                return p
+        except psutil.Error:
+            continue
+    return None
+
+
+def _node_dies(served, flow_run_id: str):
+    """kill -9 of the worker and of the flow run's process and its children, as when their machine
+    dies: nothing of them reports anything (the worker frozen first, so that it cannot see its
+    child go; a flow-run process left alive finds its output pipe broken and fails itself).
+    Returns the dead worker's pid."""
+    old, flow_run = _worker(served), _flow_run_process(served.pid, flow_run_id)
+    assert old is not None and flow_run is not None
+    os.kill(old.pid, signal.SIGSTOP)
+    os.killpg(os.getpgid(flow_run.pid), signal.SIGKILL)
+    os.kill(flow_run.pid, signal.SIGKILL)
+    os.killpg(old.pid, signal.SIGKILL)
+    return old.pid
+
+
 def test_a_run_whose_worker_and_process_die_is_crashed_then_rerun_from_its_checkpoint(served):
     """kill -9 of the worker and its flow-run process (a node that dies) while pretraining:
     serve starts a new worker and its server (the UI) never goes away; the run's heartbeats stop
-    and the zombie automation marks it Crashed within its bound (90 s without a heartbeat); the
-    rerun automation runs it again on the new worker and it completes from its checkpoint. And
-    serve's SQLite database is locked as a run's is (a run without PREFECT_API_URL takes the
-    next file)."""
+    and the zombie automation marks it Crashed within its bound (ZOMBIE_S without a heartbeat
+    here, 90 s as shipped); the rerun automation runs it again on the new worker and it completes
+    from its checkpoint. And serve's SQLite database is locked as a run's is (a run without
+    PREFECT_API_URL takes the next file)."""
     import fcntl
-
-    import psutil
 
     from glmforge.schedules import call
 
@@ -157,44 +181,27 @@ def test_a_run_whose_worker_and_process_die_is_crashed_then_rerun_from_its_check
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     lock.close()
 
-    def worker() -> psutil.Process | None:
-        for p in psutil.Process(served.pid).children(recursive=True):
-            try:
-                if "worker" in p.cmdline() and served.pool in p.cmdline() and p.status() != psutil.STATUS_ZOMBIE:
-                    return p
-            except psutil.Error:
-                continue
-        return None
-
     steps, store, logs = 14, str(served.home / "store"), lambda: served.logs(6000)
     params = {"preset": "tiny", "overrides": [*FAST, f"pretrain.max_steps={steps}", "pretrain.checkpoint_every=2"],
               "store": store}
-    old = worker()
     runs = _stage_run(served, params)
-    flow_run = _flow_run_process(served.pid, runs()[0]["id"])
-    assert old is not None and flow_run is not None
-    # the node dies: nothing of it reports anything (the worker frozen first, so that it cannot
-    # see its child go; a flow-run process left alive finds its output pipe broken and fails itself)
-    os.kill(old.pid, signal.SIGSTOP)
-    os.killpg(os.getpgid(flow_run.pid), signal.SIGKILL)
-    os.kill(flow_run.pid, signal.SIGKILL)
-    os.killpg(old.pid, signal.SIGKILL)
+    old = _node_dies(served, runs()[0]["id"])
     killed = time.monotonic()
 
     # a new worker; the server up throughout; the dead run Crashed within the bound
     deadline, new, first = time.monotonic() + 300, None, None
     while time.monotonic() < deadline:
         assert call(served.api, "GET", "/health") is True
-        new = new or (w if (w := worker()) is not None and w.pid != old.pid else None)
+        new = new or (w if (w := _worker(served)) is not None and w.pid != old else None)
         first = runs()[0]
         if new is not None and first["state_type"] != "RUNNING":
             break
         time.sleep(1)
     crashed_after = time.monotonic() - killed
     assert new is not None and "the Prefect worker exited" in served.logs(), logs()
-    assert first["state_type"] == "CRASHED" and first["state"]["message"].startswith("No heartbeat for 90 s"), \
+    assert first["state_type"] == "CRASHED" and first["state"]["message"].startswith("No heartbeat: "), \
         (first["state_type"], first["state"]["message"], logs())
-    assert crashed_after < 90 + 60, crashed_after          # 90 s without a heartbeat, checked every few seconds
+    assert crashed_after < ZOMBIE_S + 60, crashed_after     # ZOMBIE_S without a heartbeat, checked every few seconds
 
     # rerun by the automation on the new worker: completes from the checkpoint
     deadline = time.monotonic() + 600
@@ -212,11 +219,36 @@ def test_a_run_whose_worker_and_process_die_is_crashed_then_rerun_from_its_check
     print(f"\nkilled worker and flow run: Crashed after {crashed_after:.0f} s, rerun completed")
 
 
+def test_a_cancel_after_the_node_died_ends_cancelled_and_is_never_rerun(served):
+    """The node dies, then the user cancels: nothing is left to confirm the cancel, so the run
+    would stay Cancelling; the settle automation ends it Cancelled within its bound, and the
+    zombie automation (its heartbeats stopped too) does not mark it Crashed, so it is not rerun.
+    `glmforge status` shows the stage interrupted at its checkpoint with the resume command."""
+    params = {"preset": "tiny", "store": str(served.home / "store"),
+              "overrides": [*FAST, "pretrain.max_steps=40", "pretrain.checkpoint_every=2"]}
+    runs = _stage_run(served, params)
+    _node_dies(served, runs()[0]["id"])
+    subprocess.run([PREFECT, "flow-run", "cancel", runs()[0]["id"]], env=served.env, cwd=REPO, capture_output=True,
+                   check=True, timeout=60)
+    cancelled = time.monotonic()
+    while time.monotonic() < cancelled + SETTLE_S + 90 and runs()[0]["state_type"] == "CANCELLING":
+        time.sleep(1)
+    first = runs()[0]
+    assert first["state_type"] == "CANCELLED", (first["state_type"], first["state"]["message"], served.logs())
+    settled_after = time.monotonic() - cancelled
+    time.sleep(max(0.0, cancelled + ZOMBIE_S + 5 - time.monotonic()))   # past the zombie window: no Crashed, no rerun
+    assert [r["state_type"] for r in runs()] == ["CANCELLED"], [(r["state_type"], r["state"]["message"]) for r in runs()]
+    shown = _stage(_status(served.home), "pretrain")
+    assert shown["state"] == "interrupted" and shown["checkpoint_step"] >= 2, shown
+    assert shown["resume"].startswith("glmforge resume pretrain --run ")
+    print(f"\ncancelled after the node died: {first['state']['message']!r} after {settled_after:.0f} s")
+
+
 CANCELLED_STAGES = {
     # training ranks: 2 of them under the launcher
     "pretrain": ["pretrain.max_steps=64", "pretrain.checkpoint_every=4", "pretrain.launch.nproc_per_node=2"],
     # RL: rollout worker processes, and the rollouts served by a native server process
-    "rl-agentic": ["rl_agentic.steps=16", "rl_agentic.checkpoint_every=1", "rl_agentic.rollout.backend=served",
+    "rl-agentic": ["rl_agentic.steps=400", "rl_agentic.checkpoint_every=1", "rl_agentic.rollout.backend=served",
                    "rl_agentic.rollout.servers={replicas: 1}"],
 }
 
