@@ -35,6 +35,7 @@ def test_every_stage_of_the_tiny_run_is_a_child_run_with_its_config_key_and_step
     from glmforge.report import write_report
     from glmforge.runner import RunRecord
     from glmforge.store import LocalStore
+    from glmforge.tracking import log_report
 
     client = _client(tracking_server.uri)
     parent, kids = _children(client, "tiny-run", tiny_run.run_id)
@@ -66,8 +67,10 @@ def test_every_stage_of_the_tiny_run_is_a_child_run_with_its_config_key_and_step
     store = LocalStore(tiny_run.home / "store")
     record = RunRecord.load(store, tiny_run.run_id)
     assert record.tracking["run_id"] == parent.info.run_id and record.tracking["link"].endswith(parent.info.run_id)
-    page = write_report(store, record, tiny_run.home / "reports-tracked").read_text()
-    assert f'href="{record.tracking["link"]}"' in page
+    page = write_report(store, record, tiny_run.home / "reports-tracked")
+    assert f'href="{record.tracking["link"]}"' in page.read_text()
+    log_report(record, page)                     # what the pipeline flow does after writing it
+    assert [a.path for a in client.list_artifacts(parent.info.run_id, "report")] == [f"report/{page.name}"]
 
 
 def test_a_cached_stage_links_the_run_that_produced_its_artifact(tiny_run, tracking_server):
