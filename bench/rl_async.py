@@ -9,8 +9,12 @@ workers keep generating the next batch (at most one version behind) while the tr
 
     .venv/bin/python bench/rl_async.py [--steps 8] [--workers 2] [--median-s 0.05] [--sigma 1.5] [--json]
 
-Prints {"sync_s", "async_s", "speedup", "trainer_idle_fraction"} (the async arm's share of
-step time the trainer spent waiting for samples). Not a test: timings on a shared machine vary.
+Prints {"sync_s", "async_s", "speedup", "generate_s", "train_s", "ideal_speedup", "efficiency",
+"trainer_idle_fraction"}: the synchronous arm splits into generate time (the trainer waiting for
+its batch) and train time; overlapping them perfectly gives (generate + train) / max(generate,
+train), the ideal speed-up, and efficiency is the measured speed-up over it; the trainer's idle
+share is the async arm's share of step time spent waiting for samples. Not a test: timings on a
+shared machine vary.
 """
 from __future__ import annotations
 
@@ -33,8 +37,9 @@ from model.model import GLMModel  # noqa: E402
 from posttrain.rl_agentic import RLAgenticConfig, run_rl_agentic  # noqa: E402
 
 
-def arm(inputs: dict, root: Path, eta: int, tau: int, a) -> tuple[float, dict]:
-    """The training loop's wall time (sum of step times: worker start-up and evaluation excluded)."""
+def arm(inputs: dict, root: Path, eta: int, tau: int, a) -> tuple[float, dict, list[dict]]:
+    """The training loop's wall time (sum of step times: worker start-up and evaluation excluded),
+    the stage's metrics and its per-step records."""
     cfg = RLAgenticConfig(steps=a.steps, prompts_per_step=a.prompts, group_size=a.group, workers=a.workers,
                           eta=eta, tau=tau, optim={"lr": 1e-4}, max_new_tokens=24, max_turns=3, heldout=1,
                           environments={"delayed": 1.0},
@@ -43,7 +48,16 @@ def arm(inputs: dict, root: Path, eta: int, tau: int, a) -> tuple[float, dict]:
                                            "tool": 1, "tool_max_new_tokens": 1}})
     m = run_rl_agentic(cfg, inputs, Workdir.at(root, seed=0))
     steps = [json.loads(x) for x in (root / "out" / "metrics.jsonl").read_text().split("\n") if x.strip()]
-    return sum(r["step_s"] for r in steps), m
+    return sum(r["step_s"] for r in steps), m, steps
+
+
+def ideal(sync_steps: list[dict]) -> tuple[float, float, float]:
+    """From the synchronous arm, where nothing overlaps: generate time (the trainer waiting for
+    its batch), train time (the rest of each step), and the best speed-up overlapping them can
+    give, (generate + train) / max(generate, train)."""
+    gen = sum(r["wait_s"] for r in sync_steps)
+    train = sum(r["step_s"] - r["wait_s"] for r in sync_steps)
+    return gen, train, (gen + train) / max(gen, train, 1e-9)
 
 
 def main() -> None:
@@ -70,14 +84,18 @@ def main() -> None:
                                         n_routed_experts=4, num_experts_per_tok=2, mtp_depth=0))
         save_state(model, root / "rl-reasoning" / "consolidated.safetensors")
         inputs = {"tokenize": root / "tokenize", "rl-reasoning": root / "rl-reasoning"}
-        sync_s, _ = arm(inputs, root / "sync", 0, 0, a)
-        async_s, m = arm(inputs, root / "async", 1, 2, a)
+        sync_s, _, sync_steps = arm(inputs, root / "sync", 0, 0, a)
+        async_s, m, _ = arm(inputs, root / "async", 1, 2, a)
+    gen_s, train_s, ideal_speedup = ideal(sync_steps)
     out = {"sync_s": sync_s, "async_s": async_s, "speedup": sync_s / async_s,
+           "generate_s": gen_s, "train_s": train_s, "ideal_speedup": ideal_speedup,
+           "efficiency": (sync_s / async_s) / ideal_speedup,
            "trainer_idle_fraction": m["trainer_wait_fraction"],
            "settings": {"steps": a.steps, "samples_per_step": a.prompts * a.group, "workers": a.workers,
                         "median_s": a.median_s, "sigma": a.sigma}}
     print(json.dumps(out) if a.json else
-          f"sync {sync_s:.1f}s  async {async_s:.1f}s  speed-up {out['speedup']:.2f}x  "
+          f"sync {sync_s:.1f}s (generate {gen_s:.1f}s + train {train_s:.1f}s)  async {async_s:.1f}s  "
+          f"speed-up {out['speedup']:.2f}x of an ideal {ideal_speedup:.2f}x (efficiency {out['efficiency']:.2f})  "
           f"trainer idle {out['trainer_idle_fraction']:.0%} (async)")
 
 

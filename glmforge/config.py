@@ -298,6 +298,16 @@ def load_config(
     return config
 
 
+def preset_section(preset: str, section: str) -> dict[str, Any]:
+    """One section of a preset (the presets it extends merged), unvalidated: for a command that
+    runs one stage and need not import every stage's config (the whole pipeline's model loads
+    the training stack)."""
+    data: dict[str, Any] = {}
+    for _, layer, _ in _layers(preset_path(preset)):
+        data = _merge(data, layer)
+    return dict(data.get(section) or {})
+
+
 def check_rl_pools(config: BaseModel, where: str) -> None:
     """With a `plan:`, every RL-side stage's trainer and server pools must fit its GPUs
     (rl.placement): a layout that cannot run is refused before anything starts."""

@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from data_processing.document import SCHEMA, read_documents, shard_paths
-from glmforge.config import ConfigError, load_config, parse_override
+from glmforge.config import ConfigError, parse_override, preset_section
 from glmforge.stage import StageSpec, Workdir
 from glmforge.store import open_store
 
@@ -42,7 +42,7 @@ def curation_steps() -> dict[str, StageSpec]:
 
 def step_config(spec: StageSpec, preset: str, overrides: list[str], input_path: str | None) -> Any:
     """The step's section of `preset`, with `--set` overrides relative to the section."""
-    section = getattr(load_config(preset), spec.section).model_dump(mode="json")
+    section = preset_section(preset, spec.section)
     for item in overrides:
         key, value = parse_override(item)
         key = key.removeprefix(spec.section + ".")

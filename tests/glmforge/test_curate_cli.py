@@ -96,3 +96,21 @@ def test_a_missing_text_field_names_the_fields_there_and_the_option(tmp_path):
     # the option it names is the way out
     r = _curate("dedup-exact", "--input", str(src), "--output", str(tmp_path / "out"), "--text-field", "body")
     assert r.exit_code == 0, r.output
+
+
+def test_a_curation_step_loads_only_what_it_needs(tmp_path):
+    """The step's section alone is read from the preset (glmforge.config.preset_section): the CLI
+    never imports the training stack that the whole pipeline's config model pulls in."""
+    import subprocess
+    import sys
+
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": r["question"]}) + "\n" for r in _gsm8k_records(20)))
+    probe = ("import sys\nfrom glmforge.cli import main\n"
+             f"sys.argv = ['glmforge', 'curate', 'dedup-minhash', '-i', {str(src)!r}, '-o', {str(tmp_path / 'k.jsonl')!r}]\n"
+             "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+             "print(sorted(m for m in ('torch', 'deepspeed', 'model', 'training', 'posttrain', 'rl') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert len((tmp_path / "k.jsonl").read_text().splitlines()) == 20
