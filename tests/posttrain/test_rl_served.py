@@ -88,7 +88,24 @@ def test_kill_9_of_a_trainer_rank_then_resume_is_bit_identical(inputs, placed, t
     run_rl_reasoning(_cfg_served(), inputs, Workdir.at(tmp_path, seed=3))
     a, b = _weights(placed[0]), _weights(tmp_path)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert _records(placed[0]) == _records(tmp_path)
+    _same_records(_records(placed[0]), _records(tmp_path))
+
+
+# What the rollout servers' own log-probs feed: a native server batches the requests queued at
+# once, and which requests share a batch depends on when the ranks' requests arrive, so these
+# move in the last bits from run to run (the trainer's recompute, and so the weights, do not).
+ROLLOUT_LOGP_STATS = ("mismatch/", "ratio_mean")
+
+
+def _same_records(a: list[dict], b: list[dict]) -> None:
+    assert len(a) == len(b)
+    for step, (x, y) in enumerate(zip(a, b)):
+        assert x.keys() == y.keys(), step
+        differ = [k for k in x if x[k] != y[k]]
+        exact = [k for k in differ if not k.startswith(ROLLOUT_LOGP_STATS)]
+        assert not exact, (step, {k: (x[k], y[k]) for k in exact})
+        for k in differ:
+            assert x[k] == pytest.approx(y[k], rel=1e-3, abs=1e-6), (step, k, x[k], y[k])
 
 
 def test_a_killed_server_replica_is_replaced_and_the_stage_finishes(inputs, placed, tmp_path):  # noqa: F811
