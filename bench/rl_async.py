@@ -9,12 +9,14 @@ workers keep generating the next batch (at most one version behind) while the tr
 
     .venv/bin/python bench/rl_async.py [--steps 8] [--workers 2] [--median-s 0.05] [--sigma 1.5] [--json]
 
-Prints {"sync_s", "async_s", "speedup", "generate_s", "train_s", "ideal_speedup", "efficiency",
-"trainer_idle_fraction"}: the synchronous arm splits into generate time (the trainer waiting for
-its batch) and train time; overlapping them perfectly gives (generate + train) / max(generate,
-train), the ideal speed-up, and efficiency is the measured speed-up over it; the trainer's idle
-share is the async arm's share of step time spent waiting for samples. Not a test: timings on a
-shared machine vary.
+Prints {"sync_s", "async_s", "speedup", "generate_s", "train_s", "overlap_bound",
+"of_overlap_bound", "trainer_idle_fraction"}: the synchronous arm splits into generate time (the
+trainer waiting for its batch) and train time; overlapping the two alone gives (generate +
+train) / max(generate, train), and the measured speed-up is also given as a share of that. With
+heavy-tailed tool delays the asynchronous arm beats it (measured 1.50x against a bound of 1.15x,
+2026-12-05): it also stops waiting for each batch's slowest episode, which the bound does not
+count, so it is not this workload's ceiling. The trainer's idle share is the async arm's share
+of step time spent waiting for samples. Not a test: timings on a shared machine vary.
 """
 from __future__ import annotations
 
@@ -51,10 +53,12 @@ def arm(inputs: dict, root: Path, eta: int, tau: int, a) -> tuple[float, dict, l
     return sum(r["step_s"] for r in steps), m, steps
 
 
-def ideal(sync_steps: list[dict]) -> tuple[float, float, float]:
+def overlap_bound(sync_steps: list[dict]) -> tuple[float, float, float]:
     """From the synchronous arm, where nothing overlaps: generate time (the trainer waiting for
-    its batch), train time (the rest of each step), and the best speed-up overlapping them can
-    give, (generate + train) / max(generate, train)."""
+    its batch), train time (the rest of each step), and the speed-up that overlapping the two
+    alone can give, (generate + train) / max(generate, train). Not a ceiling for this workload:
+    the asynchronous arm also stops waiting for each batch's slowest episode (the tools' delays
+    are heavy-tailed), which this bound does not count."""
     gen = sum(r["wait_s"] for r in sync_steps)
     train = sum(r["step_s"] - r["wait_s"] for r in sync_steps)
     return gen, train, (gen + train) / max(gen, train, 1e-9)
@@ -86,16 +90,16 @@ def main() -> None:
         inputs = {"tokenize": root / "tokenize", "rl-reasoning": root / "rl-reasoning"}
         sync_s, _, sync_steps = arm(inputs, root / "sync", 0, 0, a)
         async_s, m, _ = arm(inputs, root / "async", 1, 2, a)
-    gen_s, train_s, ideal_speedup = ideal(sync_steps)
+    gen_s, train_s, bound = overlap_bound(sync_steps)
     out = {"sync_s": sync_s, "async_s": async_s, "speedup": sync_s / async_s,
-           "generate_s": gen_s, "train_s": train_s, "ideal_speedup": ideal_speedup,
-           "efficiency": (sync_s / async_s) / ideal_speedup,
+           "generate_s": gen_s, "train_s": train_s, "overlap_bound": bound,
+           "of_overlap_bound": (sync_s / async_s) / bound,
            "trainer_idle_fraction": m["trainer_wait_fraction"],
            "settings": {"steps": a.steps, "samples_per_step": a.prompts * a.group, "workers": a.workers,
                         "median_s": a.median_s, "sigma": a.sigma}}
     print(json.dumps(out) if a.json else
           f"sync {sync_s:.1f}s (generate {gen_s:.1f}s + train {train_s:.1f}s)  async {async_s:.1f}s  "
-          f"speed-up {out['speedup']:.2f}x of an ideal {ideal_speedup:.2f}x (efficiency {out['efficiency']:.2f})  "
+          f"speed-up {out['speedup']:.2f}x, {out['of_overlap_bound']:.2f} of the overlap bound {bound:.2f}x  "
           f"trainer idle {out['trainer_idle_fraction']:.0%} (async)")
 
 
