@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from glmforge.runner import RunRecord
-from glmforge.store import Manifest, Store
+from glmforge.store import Manifest, Store, artifact_prefix
 from glmforge.tracking import MLflowTracker, TrackingConfig, git_commit, masked
 
 FINAL_STAGE = "distill"
@@ -45,18 +45,17 @@ def manifests(store: Store, record: RunRecord) -> dict[str, Manifest]:
     return out
 
 
+def _read(store: Store, m: Manifest, path: str) -> bytes | None:
+    """A file of an artifact, None when it has none of that name."""
+    try:
+        return store.get_bytes(f"{artifact_prefix(m.stage, m.key)}/{m.data_prefix}/{path}")
+    except FileNotFoundError:
+        return None
+
+
 def _read_json(store: Store, m: Manifest, path: str) -> Any:
-    try:
-        return json.loads(store.get_bytes(f"artifacts/{m.stage}/{m.key}/{m.data_prefix}/{path}"))
-    except FileNotFoundError:
-        return None
-
-
-def _read_text(store: Store, m: Manifest, path: str) -> str | None:
-    try:
-        return store.get_bytes(f"artifacts/{m.stage}/{m.key}/{m.data_prefix}/{path}").decode()
-    except FileNotFoundError:
-        return None
+    data = _read(store, m, path)
+    return None if data is None else json.loads(data)
 
 
 def model_identity(hf_config: dict[str, Any]) -> str:
@@ -130,7 +129,7 @@ def model_card(store: Store, record: RunRecord, found: dict[str, Manifest]) -> s
         else:
             moved = ""
         lines.append(f"| {name} | {_fmt(got.get('steps', ''))} | {_fmt(got.get('tokens', ''))} | {moved} | `{m.key}` |")
-    gates = _read_text(store, final, "gates.md")
+    gates = (_read(store, final, "gates.md") or b"").decode()
     if gates:
         body = [g for g in gates.splitlines() if not g.startswith("# ")]
         lines += ["", "## Evaluation gates", "", *body]
@@ -165,7 +164,7 @@ def write_release(store: Store, record: RunRecord, out: Path) -> tuple[Path, str
                            f"(distill.export_hf: true writes them)")
     card = model_card(store, record, found)
     out.mkdir(parents=True, exist_ok=True)
-    base = f"artifacts/{final.stage}/{final.key}/{final.data_prefix}"
+    base = f"{artifact_prefix(final.stage, final.key)}/{final.data_prefix}"
     for variant, prefix in VARIANTS.items():
         dest = out / variant
         shutil.rmtree(dest, ignore_errors=True)

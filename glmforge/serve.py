@@ -27,6 +27,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from glmforge.gpus import CONCURRENCY_LIMIT, visible_gpus
+from glmforge.tracking import masked
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PREFECT = str(Path(sys.executable).parent / "prefect")
@@ -59,15 +60,6 @@ def claim_prefect_database(home: Path):
             lock.close()
             continue
         return home / ("prefect.db" if slot == 0 else f"prefect-run{slot}.db"), lock
-
-
-def masked(url: str) -> str:
-    """A database URL with its password replaced by ***."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return parts._replace(netloc=netloc).geturl()
 
 
 def check_database(url: str, timeout: float = 5.0) -> None:

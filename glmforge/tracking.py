@@ -29,9 +29,11 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Literal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from glmforge.store.manifest import artifact_prefix
 
 log = logging.getLogger("glmforge")
 REPO = Path(__file__).resolve().parent.parent
@@ -53,12 +55,11 @@ class TrackingConfig(BaseModel):
 
 
 def masked(uri: str) -> str:
-    """The URI with any password in it replaced by ***."""
+    """The URI (a tracking server's, a database's) with any password in it replaced by ***."""
     parts = urlsplit(uri)
     if parts.password is None:
         return uri
-    netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    return parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)).geturl()
 
 
 def flatten(d: dict[str, Any], prefix: str = "", sep: str = ".") -> dict[str, Any]:
@@ -267,7 +268,7 @@ class MLflowTracker(Tracker):
             summary["summary/seconds"] = seconds
         self._log_batch(run, params=params, metrics=[(k, v, 0) for k, v in summary.items()])
         files = {f.path: f for f in m.files}
-        base = f"artifacts/{m.stage}/{m.key}/{m.data_prefix}"
+        base = f"{artifact_prefix(m.stage, m.key)}/{m.data_prefix}"
         if "metrics.jsonl" in files:
             self._log_steps(run, runner.store.get_bytes(f"{base}/metrics.jsonl").decode())
         with tempfile.TemporaryDirectory(prefix="glmforge-track-") as tmp:
