@@ -170,6 +170,14 @@ def rl_async(out: str) -> tuple[str, str]:
             ", ".join(f"{k} {v}" for k, v in r["settings"].items()))
 
 
+def rl_prefix(out: str) -> tuple[str, str]:
+    r = last_json(out)
+    return (f"a group's prompt once vs once per sample: trainer update {r['trainer_s']:.2f} -> "
+            f"{r['trainer_shared_s']:.2f} s = {r['trainer_speedup']:.2f}x (token passes {r['token_ratio']:.2f}x, "
+            f"FLOPs {r['flops_ratio']:.2f}x fewer); rollouts {r['rollout_s']:.2f} -> {r['rollout_shared_s']:.2f} s "
+            f"= {r['rollout_speedup']:.2f}x", ", ".join(f"{k} {v}" for k, v in r["settings"].items()))
+
+
 def launch(out: str) -> tuple[str, str]:
     r = last_json(out)
     return (f"{r['nproc']} ranks (gloo init + one all-reduce): torchrun {r['wall_s']['torchrun']:.2f} s wall / "
@@ -293,6 +301,8 @@ BENCHES = [
           "RL rollout and trainer tokens/s, one RL step split"),
     Bench("rl_async", ["--steps", "2", "--json"], ["--json"], rl_async,
           "agentic RL, asynchronous vs synchronous, same trained samples"),
+    Bench("rl_prefix", ["--prompt", "200", "--prompts", "2", "--group", "4", "--repeats", "1", "--json"], ["--json"],
+          rl_prefix, "RL with a group's prompt computed once vs once per sample: trainer update and rollouts"),
     Bench("rl_ranks", ["--samples", "16", "--repeats", "1", "--sync-presets", "tiny", "--json"], ["--json"], rl_ranks,
           "RL update on 1 vs 2 gloo ranks, bucketed weight sync (tiny, small), INT4 mismatch with/without routing replay"),
     Bench("weight_sync_delta", ["--presets", "tiny", "--steps", "2", "--json"], ["--json"], weight_sync_delta,

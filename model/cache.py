@@ -50,6 +50,16 @@ class KVCache:
         self.ik = [cut(t) for t in self.ik]
         self.key_valid, self.doc, self.pos = cut(self.key_valid), cut(self.doc), cut(self.pos)
 
+    def select(self, rows: torch.Tensor) -> "KVCache":
+        """A cache whose row b is this one's row rows[b]: a prefix computed once, continued by
+        several rows (the samples of a group). Differentiable: gradients of the copies sum
+        into the shared rows."""
+        pick = lambda t: None if t is None else t.index_select(0, rows)  # noqa: E731
+        out = KVCache(len(self.c))
+        out.c, out.kr, out.ik = [pick(t) for t in self.c], [pick(t) for t in self.kr], [pick(t) for t in self.ik]
+        out.key_valid, out.doc, out.pos = pick(self.key_valid), pick(self.doc), pick(self.pos)
+        return out
+
     def bytes(self) -> int:
         tensors = [t for t in self.c + self.kr + self.ik if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)

@@ -71,16 +71,22 @@ def _check(temperature: float, top_p: float, greedy: bool, max_new_tokens: int) 
 def generate(model: GLMModel, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
              top_p: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None,
              seed: int | None = None, attention_mask: torch.Tensor | None = None,
-             eos_token_id: int | Sequence[int] | None = None, use_cache: bool = True) -> Generation:
+             eos_token_id: int | Sequence[int] | None = None, use_cache: bool = True,
+             rows: torch.Tensor | None = None) -> Generation:
     """input_ids [B,T0] (left-padded if attention_mask marks padding) -> Generation.
+
+    rows [B'] (with the cache): prefill each prompt once, then continue row b of the output from
+    prompt rows[b] (GRPO samples a group's responses from one prompt: one prefill, not G).
 
     eos_token_id: one stop id or several (a chat template's end-of-turn set); a row stops at the
     first of them, which is kept, and is padded with it afterwards (log-prob 0).
     use_cache=False recomputes the whole sequence every step (the reference for the cache)."""
     _check(temperature, top_p, greedy, max_new_tokens)
+    if rows is not None and not use_cache:
+        raise ValueError("rows (a shared prefill) needs the KV cache")
     if generator is None and seed is not None:
         generator = torch.Generator(device=input_ids.device).manual_seed(seed)
-    B = input_ids.shape[0]
+    B = input_ids.shape[0] if rows is None else rows.shape[0]
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.dtype)
     ids, toks, lps = input_ids, [], []
     done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
@@ -90,6 +96,9 @@ def generate(model: GLMModel, input_ids: torch.Tensor, max_new_tokens: int, *, t
     cache = model.new_cache() if use_cache else None
     with eval_mode(model):
         logits = model(ids, attention_mask=mask, cache=cache).logits[:, -1]
+        if rows is not None:
+            cache = cache.select(rows)
+            logits, ids, mask = logits[rows], ids[rows], mask[rows]
         for step in range(max_new_tokens):
             tok, lp = sample_next(logits, temperature, top_p, greedy, generator)
             if stops is not None:

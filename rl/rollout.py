@@ -157,14 +157,21 @@ class RolloutEngine:
 
     def _batch(self, prefixes: list[list[int]], params: SamplingParams, generator: torch.Generator,
                record: bool = False) -> list[tuple[list[int], list[float], bool, torch.Tensor | None]]:
-        ids, mask = self._left_pad(prefixes)
+        # a group's samples share their prompt: prefill each distinct prompt once
+        distinct: dict[tuple[int, ...], int] = {}
+        rows = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prefixes])
+        ids, mask = self._left_pad([list(p) for p in distinct])
         greedy = params.temperature == 0
         with recording_routes(self.model) if record else contextlib.nullcontext() as logs:
             gen = generate(self.model, ids, params.max_new_tokens, temperature=params.temperature or 1.0,
                            top_p=params.top_p, greedy=greedy, generator=generator, attention_mask=mask,
-                           eos_token_id=self.stop_ids)
-        # per MoE layer [B, T0 + tokens fed back, K]: the prefill, then one column per decode step
-        routes = [torch.cat(log, 1) for log in logs] if record and logs else None
+                           eos_token_id=self.stop_ids, rows=rows if len(distinct) < len(prefixes) else None)
+        # per MoE layer [B, T0 + tokens fed back, K]: the prefill (one row per distinct prompt,
+        # given to each of its samples), then one column per decode step
+        routes = None
+        if record and logs:
+            routes = [torch.cat([log[0][rows] if len(distinct) < len(prefixes) else log[0]] + log[1:], 1)
+                      for log in logs]
         T0 = ids.shape[1]
         stops = set(self.stop_ids)
         out = []

@@ -26,7 +26,7 @@ from rl.trainer import clip_and_step
 from training import metrics
 
 
-def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
+def collate(samples: list[Sample], pad_id: int, share_prefix: bool = False) -> dict[str, torch.Tensor]:
     """Right-padded tensors for one forward pass over prompt + response.
 
     input_ids [B,T]; attention_mask [B,T]; targets [B,T] (the next token at each position);
@@ -34,8 +34,15 @@ def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
     = 1 where it is any response token (tool results inside a response included); rollout_logprobs,
     train_logprobs, teacher_logprobs [B,T] aligned with targets (0 elsewhere); advantages [B];
     routes (when every sample recorded its rollout's experts): per MoE layer [B,T,K], replayed by
-    the forward passes here (routing replay)."""
-    seqs = [s.prompt_ids + s.response_ids for s in samples]
+    the forward passes here (routing replay).
+
+    share_prefix, when some samples share a prompt (a GRPO group): "prefix" holds each distinct
+    prompt but its last token once (left-padded input_ids, attention_mask, its routes, and rows
+    [B]: which prefix row each sample continues), and row b starts at offsets[b] = its prompt's
+    length - 1, so the trainer runs a group's prompt once instead of once per sample."""
+    prefix = _shared_prefixes(samples, pad_id) if share_prefix else None
+    offsets = [len(s.prompt_ids) - 1 if prefix is not None else 0 for s in samples]
+    seqs = [(s.prompt_ids + s.response_ids)[o:] for s, o in zip(samples, offsets)]
     T = max(len(x) for x in seqs) - 1
     B = len(samples)
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)
@@ -46,12 +53,12 @@ def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
     rollout = torch.zeros(B, T)
     train = torch.zeros(B, T)
     teacher = torch.zeros(B, T)
-    for b, (s, seq) in enumerate(zip(samples, seqs)):
+    for b, (s, seq, o) in enumerate(zip(samples, seqs, offsets)):
         n = len(seq) - 1
         input_ids[b, :n] = torch.tensor(seq[:-1])
         targets[b, :n] = torch.tensor(seq[1:])
         attention[b, :n] = 1
-        start = len(s.prompt_ids) - 1            # position whose target is the first response token
+        start = len(s.prompt_ids) - 1 - o        # position whose target is the first response token
         r = len(s.response_ids)
         resp[b, start:start + r] = torch.tensor(s.loss_mask, dtype=torch.float)
         region[b, start:start + r] = 1.0
@@ -63,15 +70,45 @@ def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
     batch = {"input_ids": input_ids, "attention_mask": attention, "targets": targets, "response_mask": resp,
              "response_region": region,
              "rollout_logprobs": rollout, "train_logprobs": train, "teacher_logprobs": teacher,
-             "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float)}
+             "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float),
+             "offsets": torch.tensor(offsets)}
     if all(s.routes is not None for s in samples):
         # routing replay: per MoE layer [B,T,K], the rollout's experts; -1 (route anew) on padding
         L, _, K = samples[0].routes.shape
         routes = torch.full((L, B, T, K), -1, dtype=torch.long)
-        for b, s in enumerate(samples):
-            routes[:, b, :s.routes.shape[1]] = s.routes.long()
+        for b, (s, o) in enumerate(zip(samples, offsets)):
+            routes[:, b, :s.routes.shape[1] - o] = s.routes[:, o:].long()
         batch["routes"] = list(routes)
+    if prefix is not None:
+        batch["prefix"] = prefix
     return batch
+
+
+def _shared_prefixes(samples: list[Sample], pad_id: int) -> dict[str, Any] | None:
+    """collate's "prefix", or None when no two samples share a prompt (nothing to save) or a
+    prompt is a single token (no prefix to share)."""
+    first: dict[tuple[int, ...], int] = {}
+    rows = [first.setdefault(tuple(s.prompt_ids), len(first)) for s in samples]
+    if len(first) == len(samples) or min(len(p) for p in first) < 2:
+        return None
+    owner: dict[int, int] = {}                              # prefix row -> its first sample
+    for b, r in enumerate(rows):
+        owner.setdefault(r, b)
+    P = max(len(p) for p in first) - 1
+    ids = torch.full((len(first), P), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(first), P, dtype=torch.long)
+    for u, p in enumerate(first):                           # left padding: every prefix ends at column P
+        ids[u, P - len(p) + 1:] = torch.tensor(p[:-1])
+        mask[u, P - len(p) + 1:] = 1
+    out: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, "rows": torch.tensor(rows)}
+    if all(s.routes is not None for s in samples):
+        L, _, K = samples[0].routes.shape
+        routes = torch.full((L, len(first), P, K), -1, dtype=torch.long)
+        for u, b in owner.items():
+            n = len(samples[b].prompt_ids) - 1
+            routes[:, u, P - n:] = samples[b].routes[:, :n].long()
+        out["routes"] = list(routes)
+    return out
 
 
 @dataclass(frozen=True)
@@ -86,6 +123,7 @@ class UpdateParams:
     grad_clip: float = 1.0
     policy_loss: str = "icepop"        # rl.algorithms.POLICY_LOSSES
     adv_clip: float | None = None      # opd: |A_t| clip in nats
+    share_prefix: bool = True          # a prompt shared by samples of a minibatch: one forward (collate)
 
 
 def assign_advantages(samples: list[Sample], std_normalize: bool, estimator: str = "grpo") -> float:
@@ -121,19 +159,29 @@ def response_logprobs(logits: torch.Tensor, batch: dict[str, torch.Tensor], temp
     return logp, ent
 
 
-def _forward_logprobs(model: GLMModel, batch: dict[str, torch.Tensor], temperature: float,
-                      want_entropy: bool = False):
+def _forward_logprobs(model: GLMModel, batch: dict[str, Any], temperature: float, want_entropy: bool = False):
+    cache = None
+    if "prefix" in batch:
+        # each distinct prompt once, its latent KV cache then given to every sample continuing
+        # it (gradients of the copies sum back into the one prompt pass)
+        prefix = batch["prefix"]
+        cache = model.new_cache()
+        with replaying_routes(model, prefix.get("routes")):
+            model(prefix["input_ids"], attention_mask=prefix["attention_mask"], cache=cache,
+                  logits_at=torch.zeros_like(prefix["attention_mask"], dtype=torch.bool))
+        cache = cache.select(prefix["rows"])
     with replaying_routes(model, batch.get("routes")):
-        logits = model(batch["input_ids"], attention_mask=batch["attention_mask"],
+        logits = model(batch["input_ids"], attention_mask=batch["attention_mask"], cache=cache,
                        logits_at=batch["response_region"] > 0).logits
     return response_logprobs(logits, batch, temperature, want_entropy)
 
 
 @torch.no_grad()
 def recompute_old_logprobs(model: GLMModel, samples: list[Sample], pad_id: int, temperature: float,
-                           chunk: int = 64, ranks: Ranks = SINGLE) -> float:
+                           chunk: int = 64, ranks: Ranks = SINGLE, share_prefix: bool = True) -> float:
     """Store pi_train(theta_old) per response token on each sample; returns the mean entropy.
-    On several ranks each computes its share and every sample gets every rank's values."""
+    On several ranks each computes its share and every sample gets every rank's values.
+    share_prefix: a prompt shared by several samples is computed once (collate)."""
     was = model.training
     model.eval()
     lo, hi = ranks.bounds(len(samples))
@@ -143,7 +191,7 @@ def recompute_old_logprobs(model: GLMModel, samples: list[Sample], pad_id: int, 
     try:
         for i in range(ranks.chunks(len(samples), chunk)):
             part = mine[i * chunk:(i + 1) * chunk]
-            batch = collate(part or samples[:1], pad_id)     # an empty share still joins the collectives
+            batch = collate(part or samples[:1], pad_id, share_prefix)   # an empty share still joins the collectives
             logp, ent = _forward_logprobs(model, batch, temperature, want_entropy=True)
             if not part:
                 continue
@@ -151,7 +199,7 @@ def recompute_old_logprobs(model: GLMModel, samples: list[Sample], pad_id: int, 
             ent_sum += float((ent * m).sum())
             n += float(m.sum())
             for b, s in enumerate(part):
-                start = len(s.prompt_ids) - 1
+                start = len(s.prompt_ids) - 1 - int(batch["offsets"][b])
                 values.append(logp[b, start:start + len(s.response_ids)].tolist())
     finally:
         model.train(was)
@@ -200,7 +248,8 @@ def update(model: GLMModel, optimizer, samples: list[Sample], pad_id: int,
         return {}
     entropy, mis = None, {}
     if params.policy_loss not in WITHOUT_PI_OLD:
-        entropy = recompute_old_logprobs(model, train, pad_id, params.temperature, ranks=ranks)
+        entropy = recompute_old_logprobs(model, train, pad_id, params.temperature, ranks=ranks,
+                                         share_prefix=params.share_prefix)
         mis = mismatch(train)
     totals: dict[str, float] = {}
     steps = 0
@@ -211,7 +260,7 @@ def update(model: GLMModel, optimizer, samples: list[Sample], pad_id: int,
         for k in range(0, len(train), size):
             part = [train[j] for j in order[k:k + size]]
             mine, scale = ranks.share(part)
-            batch = collate(mine, pad_id)
+            batch = collate(mine, pad_id, params.share_prefix)
             logp, _ = _forward_logprobs(model, batch, params.temperature)
             loss, stats = POLICY_LOSSES[params.policy_loss](logp, batch, params)
             if not mis and epoch == 0 and k == 0:

@@ -1,0 +1,131 @@
+"""A prompt shared by a group's samples is computed once, in rollouts and in the trainer, with
+the same results as computing it for every sample."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.config import tiny
+from model.generate import generate
+from model.model import GLMModel
+from rl.rollout import SamplingParams
+from rl.sample import Sample
+from rl.update import _forward_logprobs, collate, recompute_old_logprobs
+from tests.rl.conftest import small_model
+from tests.rl.test_rollout import _engine, _samples
+
+PAD = 0
+
+
+def _model(vocab: int = 97, window: int | None = None, topk: int = 8) -> GLMModel:
+    """Every attention kind: a DSA layer that truly selects (top-k 8 of 20+ keys), a dense one, a
+    sliding-window one; MoE after the first layer."""
+    torch.manual_seed(0)
+    return GLMModel(tiny().replace(vocab_size=vocab, num_layers=3, mtp_depth=0, hidden_size=32, num_heads=2,
+                                   q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                                   v_head_dim=8, index_n_heads=2, index_head_dim=8, index_topk=topk,
+                                   intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4,
+                                   num_experts_per_tok=2, sliding_window=window or 6,
+                                   attention_pattern=("dsa", "full", "swa")))
+
+
+def _groups(lengths: list[int], group: int, vocab: int = 97, seed: int = 0) -> list[Sample]:
+    """Random prompts of the given lengths, `group` random responses each (some with an untrained
+    tool-result span, as agentic episodes have)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for k, n in enumerate(lengths):
+        prompt = torch.randint(1, vocab, (n,), generator=g).tolist()
+        for i in range(group):
+            r = int(torch.randint(1, 9, (1,), generator=g))
+            s = Sample(None, k, list(prompt))
+            s.response_ids = torch.randint(1, vocab, (r,), generator=g).tolist()
+            s.loss_mask = [0 if (i % 2 and 0 < j < 3) else 1 for j in range(r)]
+            s.rollout_logprobs = [0.0] * r
+            s.advantage = float(torch.randn(1, generator=g))
+            out.append(s)
+    return out
+
+
+def _per_sample(logp: torch.Tensor, batch, samples) -> list[torch.Tensor]:
+    return [logp[b, len(s.prompt_ids) - 1 - int(batch["offsets"][b]):][:len(s.response_ids)]
+            for b, s in enumerate(samples)]
+
+
+def test_collate_shares_only_repeated_prompts():
+    samples = _groups([5, 9], group=3)
+    shared = collate(samples, PAD, share_prefix=True)
+    prefix = shared["prefix"]
+    assert prefix["input_ids"].shape == (2, 8)                 # each prompt but its last token, once
+    assert prefix["rows"].tolist() == [0, 0, 0, 1, 1, 1]
+    assert prefix["attention_mask"].sum(1).tolist() == [4, 8]  # left-padded
+    assert shared["offsets"].tolist() == [4] * 3 + [8] * 3
+    # every row starts at its prompt's last token: the first target is the first response token
+    for b, s in enumerate(samples):
+        assert shared["input_ids"][b, 0] == s.prompt_ids[-1] and shared["targets"][b, 0] == s.response_ids[0]
+    assert "prefix" not in collate(_groups([5, 9], group=1), PAD, share_prefix=True)   # nothing repeats
+
+
+@pytest.mark.parametrize("lengths", [[22, 30, 25], [3, 28]])
+def test_a_shared_prompt_gives_the_same_logprobs_and_gradients(lengths):
+    model = _model()
+    model.train()
+    samples = _groups(lengths, group=4)
+    results = []
+    for share in (False, True):
+        model.zero_grad(set_to_none=True)
+        batch = collate(samples, PAD, share)
+        assert ("prefix" in batch) == share
+        logp, _ = _forward_logprobs(model, batch, 1.0)
+        (logp * batch["response_mask"] * batch["advantages"][:, None]).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((_per_sample(logp.detach(), batch, samples), grads))
+    (plain, g_plain), (shared, g_shared) = results
+    for a, b in zip(plain, shared):
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4)
+    assert g_plain.keys() == g_shared.keys() and len(g_plain) > 10
+    for name in g_plain:
+        torch.testing.assert_close(g_shared[name], g_plain[name], atol=1e-5, rtol=1e-3, msg=name)
+
+
+def test_the_trainer_records_the_same_old_logprobs_either_way():
+    model = _model()
+    a, b = _groups([12, 17], group=3), _groups([12, 17], group=3)
+    recompute_old_logprobs(model, a, PAD, 1.0, share_prefix=False)
+    recompute_old_logprobs(model, b, PAD, 1.0, share_prefix=True)
+    for x, y in zip(a, b):
+        assert y.train_logprobs == pytest.approx(x.train_logprobs, abs=2e-5)
+
+
+def test_one_prefill_per_prompt_samples_what_a_prefill_per_sample_does():
+    model = _model()
+    prompts = [torch.randint(1, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (7, 11)]
+    rows = torch.tensor([0, 0, 0, 1, 1, 1])
+
+    def left_pad(ps):
+        ids, mask = torch.zeros(len(ps), 11, dtype=torch.long), torch.zeros(len(ps), 11, dtype=torch.long)
+        for i, p in enumerate(ps):
+            ids[i, 11 - len(p):], mask[i, 11 - len(p):] = torch.tensor(p), 1
+        return ids, mask
+
+    ids, mask = left_pad([prompts[r] for r in rows])
+    every = generate(model, ids, 10, attention_mask=mask, generator=torch.Generator().manual_seed(3))
+    ids, mask = left_pad(prompts)
+    once = generate(model, ids, 10, attention_mask=mask, generator=torch.Generator().manual_seed(3), rows=rows)
+    assert torch.equal(once.new_tokens, every.new_tokens)
+    torch.testing.assert_close(once.logprobs, every.logprobs, atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_rollouts_replay_their_routes_through_a_shared_prompt(tokenizer):
+    model = small_model(tokenizer.get_vocab_size())
+    engine = _engine(tokenizer, model)
+    engine.record_routes = True
+    samples = _samples(tokenizer, 2, 3)
+    engine.generate(samples, SamplingParams(1.0, 1.0, 8), torch.Generator().manual_seed(0))
+    for s in samples:          # the prompt's routes, computed once, given to each of its samples
+        assert s.routes.shape[1] == len(s.prompt_ids) + len(s.response_ids) - 1
+    assert torch.equal(samples[0].routes[:, :len(samples[0].prompt_ids)],
+                       samples[1].routes[:, :len(samples[1].prompt_ids)])
+    recompute_old_logprobs(model, samples, tokenizer.token_to_id("<|pad|>"), 1.0, share_prefix=True)
+    for s in samples:
+        assert s.train_logprobs == pytest.approx(s.rollout_logprobs, abs=1e-4)
