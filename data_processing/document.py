@@ -7,7 +7,6 @@ whatever keys a step adds (quality scores, weights, cluster ids...).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -20,12 +19,43 @@ SCHEMA = pa.schema(
 SHARD_GLOB = "part-*.parquet"
 
 
-@dataclass
 class Document:
-    id: str
-    text: str
-    source: str = ""
-    metadata: dict[str, Any] = field(default_factory=dict)
+    """One record: id, text, source and a metadata dict. Read from a shard, the metadata stays
+    the shard's JSON string until someone reads it, and is written back as that same string if
+    nobody did: a step that passes most documents through unchanged (a dedup's kept ones)
+    never decodes and re-encodes their metadata."""
+
+    __slots__ = ("id", "text", "source", "_metadata", "_metadata_json")
+
+    def __init__(self, id: str, text: str, source: str = "", metadata: dict[str, Any] | None = None, *,
+                 metadata_json: str | None = None):
+        self.id, self.text, self.source = id, text, source
+        self._metadata = metadata if metadata is not None or metadata_json is not None else {}
+        self._metadata_json = metadata_json if metadata is None else None
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        if self._metadata is None:
+            self._metadata = json.loads(self._metadata_json or "{}")
+            self._metadata_json = None       # the dict may now change: encode it again on write
+        return self._metadata
+
+    @metadata.setter
+    def metadata(self, value: dict[str, Any]) -> None:
+        self._metadata, self._metadata_json = value, None
+
+    def metadata_json(self) -> str:
+        """The metadata as a shard stores it (sorted keys)."""
+        if self._metadata_json is not None:
+            return self._metadata_json
+        return json.dumps(self._metadata, sort_keys=True, ensure_ascii=False)
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, Document) and (self.id, self.text, self.source) == (other.id, other.text, other.source)
+                and self.metadata == other.metadata)
+
+    def __repr__(self) -> str:
+        return f"Document(id={self.id!r}, text={self.text[:40]!r}, source={self.source!r}, metadata={self.metadata!r})"
 
 
 def shard_name(index: int) -> str:
@@ -34,13 +64,10 @@ def shard_name(index: int) -> str:
 
 def write_shard(path: Path, docs: list[Document]) -> None:
     """Write one shard atomically (tmp file + rename), so a crash never leaves half a shard."""
-    table = pa.table(
-        {
-            "id": [d.id for d in docs],
-            "text": [d.text for d in docs],
-            "source": [d.source for d in docs],
-            "metadata": [json.dumps(d.metadata, sort_keys=True, ensure_ascii=False) for d in docs],
-        },
+    # from_arrays, not pa.table(dict): that one imports pandas (0.2 s) to ask if it was given a DataFrame
+    table = pa.Table.from_arrays(
+        [pa.array([d.id for d in docs], pa.string()), pa.array([d.text for d in docs], pa.string()),
+         pa.array([d.source for d in docs], pa.string()), pa.array([d.metadata_json() for d in docs], pa.string())],
         schema=SCHEMA,
     )
     tmp = path.with_name(path.name + ".tmp")
@@ -64,7 +91,18 @@ def read_shard(path: Path, batch_size: int = 1024) -> Iterator[Document]:
         sources = cols.get("source", [""] * n)
         metas = cols.get("metadata", [None] * n)
         for i in range(n):
-            yield Document(cols["id"][i], cols["text"][i], sources[i] or "", json.loads(metas[i] or "{}"))
+            yield Document(cols["id"][i], cols["text"][i], sources[i] or "", metadata_json=metas[i] or "{}")
+
+
+def read_ids_and_metadata(directory: Path) -> Iterator[tuple[str, str]]:
+    """(id, metadata JSON) of every document of a shard directory, in order, without reading
+    the text column (most of a shard's bytes)."""
+    for path in shard_paths(directory):
+        pf = pq.ParquetFile(path)
+        meta = "metadata" in pf.schema_arrow.names
+        for batch in pf.iter_batches(batch_size=8192, columns=["id", "metadata"] if meta else ["id"]):
+            cols = batch.to_pydict()
+            yield from zip(cols["id"], cols["metadata"] if meta else ["{}"] * len(cols["id"]))
 
 
 def read_documents(directory: Path) -> Iterator[Document]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import fnmatch
+import functools
 import json
 import os
 import shutil
@@ -285,7 +286,7 @@ def to_document(src: SourceConfig, rec: Raw, root: str) -> Document | str:
     text = normalize_text(text)
     if not text:
         return f"empty_text: field {src.text_field!r} is empty after normalization"
-    rel = os.path.relpath(rec.file, root) if not rec.file.startswith("s3://") else rec.file[len(root):].lstrip("/")
+    rel = _relative(rec.file, root)
     id_key = src.id_field or ("id" if src.keep_ids else None)
     own_id = fields.get(id_key) if id_key is not None else None
     if src.keep_ids and own_id is not None:
@@ -305,6 +306,12 @@ def to_document(src: SourceConfig, rec: Raw, root: str) -> Document | str:
     if extra:
         meta["fields"] = json.loads(json.dumps(extra, default=str))
     return Document(id=doc_id, text=text, source=src.name, metadata=meta)
+
+
+@functools.lru_cache(maxsize=256)
+def _relative(file: str, root: str) -> str:
+    """A record's file relative to its source's root (asked once per record: cached per file)."""
+    return os.path.relpath(file, root) if not file.startswith("s3://") else file[len(root):].lstrip("/")
 
 
 def _source_root(src: SourceConfig) -> str:

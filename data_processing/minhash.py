@@ -31,6 +31,7 @@ highest quality score (metadata["quality"]["score"], 0 when absent), ties -> the
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 from concurrent.futures import ProcessPoolExecutor
@@ -42,7 +43,7 @@ import pyarrow.parquet as pq
 from pydantic import Field, model_validator
 
 from data_processing.common import DaskConfig, StepConfig, iter_input_documents
-from data_processing.document import quality_score, shard_paths
+from data_processing.document import quality_score, read_ids_and_metadata, shard_paths
 from data_processing.filtering import Verdict, write_decisions
 from glmforge.stage import OPERATIONAL, Workdir
 
@@ -505,14 +506,16 @@ def run(cfg: MinHashConfig, inputs: dict[str, Path], workdir: Workdir) -> dict:
     parts = [np.load(ckpt / f"{s.stem}.npy") for s in shards]
     sigs = np.concatenate(parts) if parts else np.empty((0, cfg.num_perm), dtype=np.uint32)
 
-    docs_meta = [(d.id, quality_score(d.metadata)) for d in iter_input_documents(parent)]
-    ids = [i for i, _ in docs_meta]
+    ids, metas = zip(*read_ids_and_metadata(parent)) if len(sigs) else ((), ())
+    ids = list(ids)
     roots, stats = cluster(sigs, cfg)
-    keep = choose_kept(roots, ids, [s for _, s in docs_meta])
+    sizes = np.bincount(roots, minlength=len(roots))
+    # quality scores break ties inside a duplicate cluster: decode the metadata of members only
+    scores = [quality_score(json.loads(m or "{}")) if sizes[r] > 1 else 0.0 for m, r in zip(metas, roots)]
+    keep = choose_kept(roots, ids, scores)
 
     decided = zip(iter_input_documents(parent), verdicts(roots, keep, ids), strict=True)
     counts = write_decisions(decided, workdir.out, "dedup-minhash", cfg.shard_size)
-    sizes = np.bincount(roots, minlength=len(roots))
     return {
         **counts.metrics(),
         "clusters": int((sizes > 1).sum()),

@@ -135,8 +135,9 @@ def _write_docs(shards: Path, path: Path) -> None:
         pq.write_table(pa.concat_tables(tables) if tables else SCHEMA.empty_table(), path, compression="zstd")
         return
     with open(path, "w", encoding="utf-8") as f:
-        for d in read_documents(shards):
-            f.write(json.dumps({"id": d.id, "text": d.text, "source": d.source, "metadata": d.metadata}, ensure_ascii=False) + "\n")
+        for d in read_documents(shards):     # the metadata as stored: JSON already, never decoded here
+            f.write(f'{{"id": {json.dumps(d.id, ensure_ascii=False)}, "text": {json.dumps(d.text, ensure_ascii=False)}, '
+                    f'"source": {json.dumps(d.source, ensure_ascii=False)}, "metadata": {d.metadata_json()}}}\n')
 
 
 def curate(

@@ -1,0 +1,38 @@
+"""Document shards: metadata decoded only when read, written back unchanged when it was not."""
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from data_processing.document import SCHEMA, Document, read_ids_and_metadata, read_shard, write_shard
+
+
+def test_metadata_passes_through_as_stored_and_changes_when_edited(tmp_path):
+    stored = '{"z": 1, "a": {"k": [1, 2]}}'              # not sorted: a shard written by someone else
+    src = tmp_path / "part-00000.parquet"
+    pq.write_table(pa.Table.from_pylist([{"id": "a", "text": "t", "source": "", "metadata": stored}], SCHEMA), src)
+    (doc,) = read_shard(src)
+    assert doc.metadata_json() == stored                 # never decoded: the same string goes on
+    out = tmp_path / "out" / "part-00000.parquet"
+    out.parent.mkdir()
+    write_shard(out, [doc])
+    assert pq.read_table(out).column("metadata").to_pylist() == [stored]
+
+    (doc,) = read_shard(src)
+    doc.metadata["quality"] = 0.5                        # read and edited: encoded again, sorted
+    write_shard(out, [doc])
+    assert pq.read_table(out).column("metadata").to_pylist() == ['{"a": {"k": [1, 2]}, "quality": 0.5, "z": 1}']
+    assert list(read_ids_and_metadata(out.parent)) == [("a", '{"a": {"k": [1, 2]}, "quality": 0.5, "z": 1}')]
+
+
+def test_documents_compare_by_content_whether_or_not_their_metadata_was_decoded(tmp_path):
+    doc = Document("a", "text", "src", {"line": 3})
+    path = _write(tmp_path / "part-00000.parquet", [doc])
+    (back,) = read_shard(path)
+    assert back == doc and back.metadata == {"line": 3}
+    assert Document("a", "text") != Document("a", "text", metadata={"line": 1})
+
+
+def _write(path, docs):
+    write_shard(path, docs)
+    return path
