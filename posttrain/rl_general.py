@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import random
 import time
 from collections import Counter
 from pathlib import Path
@@ -49,8 +48,9 @@ from domains.tools import CALCULATOR
 from glmforge.stage import Workdir
 from model.hf import artifact_weights, load_state, state_config
 from quant.qat import QATConfig
-from rl import gates, trainer
+from rl import dynamic_sampling, gates, trainer
 from rl.algorithms import AdvantageName, PolicyLossName
+from rl.dynamic_sampling import DynamicSamplingConfig, OverlongConfig, apply_overlong, fill_batch
 from rl.gates import GateConfig
 from rl.judges import (
     COMPONENTS,
@@ -64,6 +64,7 @@ from rl.judges import (
     rule_reward,
     valid_tool_call,
 )
+from rl.prompts import draw_tasks
 from rl.ranks import SINGLE, ParallelConfig, Ranks, check_placement
 from rl.rewards import REWARDS
 from rl.rollout import RolloutConfig, RolloutEngine, SamplingParams, open_engine, prompt_ids
@@ -112,6 +113,10 @@ class RLGeneralConfig(BaseModel):
     max_new_tokens: int = Field(512, ge=1)
     rollout_int4: Optional[QATConfig] = None
     rollout_batch: int = Field(256, ge=1)
+    dynamic_sampling: DynamicSamplingConfig = Field(DynamicSamplingConfig(), description=(
+        "replace zero-variance groups with fresh prompts' groups, within a bound per step (rl.dynamic_sampling)"))
+    overlong: OverlongConfig = Field(OverlongConfig(), description="what a response that hit max_new_tokens "
+                                     "trains as: keep, filter, penalty (rl.dynamic_sampling)")
     rollout: RolloutConfig = Field(RolloutConfig(), description="the engine rollouts come from: native or vLLM")
     judge_servers: ServerPoolConfig = Field(ServerPoolConfig(replicas=1), description=(
         "with rollout.backend=served: the server pool each judge is served from (the GRM's weights, the "
@@ -175,12 +180,6 @@ def general_pools(cfg: RLGeneralConfig) -> dict[str, list[Task]]:
         if not pools[src]:
             raise ValueError(f"rl-general: prompt source {src!r} has no prompts")
     return pools
-
-
-def draw(pools: dict[str, list[Task]], weights: dict[str, float], n: int, seed: int, step: int) -> list[Task]:
-    rng = random.Random(seed * 1_000_003 + step)
-    names = list(pools)
-    return [rng.choice(pools[s]) for s in rng.choices(names, weights=[weights[s] for s in names], k=n)]
 
 
 # ---------------------------------------------------------------- rewards
@@ -353,34 +352,52 @@ def train(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workdir, ranks
                           cfg.temperature, cfg.std_normalize, cfg.optim.grad_clip, cfg.policy_loss)
     root, log_path = workdir.checkpoint / trainer.CHECKPOINTS, workdir.checkpoint / "metrics.jsonl"
     last: list[Sample] = []
+    counts: Counter = Counter()         # a step's overlong counts and reward seconds, over its rounds
 
-    def one_step(step: int) -> dict[str, Any]:
+    def rollout(step: int, rnd: int, first: int, n: int) -> tuple[list[Sample], tuple]:
+        """Round `rnd` of the step: n prompts (group ids first ..) generated and scored by each rank
+        for its share, gathered; with the scored samples' components, judge failures and extras."""
         t0 = time.perf_counter()
-        engine.sync(model, step)
-        tasks = draw(pools, cfg.prompts, cfg.prompts_per_step, seed, step)
+        tasks = draw_tasks(pools, cfg.prompts, n, seed, step, rnd)
         lo, hi = ranks.bounds(len(tasks))               # this rank's groups (all of them on one)
-        mine = [Sample(t, g, prompt_ids(tokenizer, t, t.meta.get("tools")))
+        mine = [Sample(t, first + g, prompt_ids(tokenizer, t, t.meta.get("tools")))
                 for g, t in enumerate(tasks) if lo <= g < hi for _ in range(cfg.group_size)]
         if served:           # one seed per group, drawn alike on any placement
-            seeds = group_seeds(seed * 1_000_003 + step, len(tasks))
-            engine.generate(mine, sampling, sample_gen, seeds={g: seeds[g] for g in range(lo, hi)})
+            seeds = group_seeds(seed * 1_000_003 + step + rnd * 7_919_000_001, len(tasks))
+            engine.generate(mine, sampling, sample_gen, seeds={first + g: seeds[g] for g in range(lo, hi)})
         else:
             engine.generate(mine, sampling, sample_gen)
         t1 = time.perf_counter()
         failures, comps, extra = hybrid_rewards(mine, tokenizer, services, cfg)
-        t2 = time.perf_counter()
+        counts.update(apply_overlong(mine, cfg.overlong, cfg.max_new_tokens))
+        counts.update({"time/generate": t1 - t0, "time/reward": time.perf_counter() - t1})
         shares = ranks.gather((mine, comps, dict(failures), extra["grm_unparsed_fraction"] * len(comps)))
         samples = [s for share in shares for s in share[0]]
         comps = [c for share in shares for c in share[1]]
         failures = sum((Counter(share[2]) for share in shares), Counter())
         extra = {"grm_unparsed_fraction": sum(share[3] for share in shares) / max(len(comps), 1)}
+        return samples, (comps, failures, extra)
+
+    def one_step(step: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        engine.sync(model, step)
+        counts.clear()
+        samples, drawn, (comps, failures, extra), dynamic = fill_batch(
+            lambda rnd, first, n: rollout(step, rnd, first, n), cfg.prompts_per_step, cfg.dynamic_sampling)
+        t2 = time.perf_counter()
         flat = assign_advantages(samples, cfg.std_normalize, cfg.advantage)
         stats = update(model, opt, samples, pad_id, params, gen, ranks)
         t3 = time.perf_counter()
         last[:] = samples
-        rec = step_record(step, samples, tokenizer, comps, stats, flat, failures, extra,
-                          {"generate": t1 - t0, "reward": t2 - t1, "train": t3 - t2})
+        # the reward, its components and the verified shares from the step's own draw: the trained
+        # batch is selected for signal
+        rec = step_record(step, drawn, tokenizer, comps, stats, flat, failures, extra,
+                          {"generate": t2 - t0 - counts["time/reward"], "reward": counts["time/reward"],
+                           "train": t3 - t2})
         rec.update(engine.metrics())
+        rec.update(dynamic)
+        keys = ("overlong/truncated", "overlong/filtered", "overlong/penalised")
+        rec.update(zip(keys, (int(v) for v in ranks.sum([float(counts[k]) for k in keys]))))
         if ranks.world > 1:
             rec["trainer_ranks"] = ranks.world
         return rec
@@ -439,6 +456,7 @@ def summary(records: list[dict[str, Any]], inputs: dict[str, Path]) -> dict[str,
         "response_length": metrics.first_last(records, "response_length"),
         "icepop_masked_fraction": sum(r.get("icepop_masked_fraction", 0.0) for r in records) / len(records),
         "mismatch": mismatch_trend(records),
+        "batch_shaping": dynamic_sampling.totals(records),
         "orm_heldout_pairwise_accuracy": orm_accuracy(inputs),
     }
 

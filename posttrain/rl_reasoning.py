@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import random
 import statistics
 import time
 from collections import Counter
@@ -47,7 +46,10 @@ from glmforge.stage import OPERATIONAL, Workdir
 from quant.qat import QATConfig
 from rl import gates, reward_audit, trainer
 from rl.algorithms import AdvantageName, PolicyLossName
+from rl import dynamic_sampling
+from rl.dynamic_sampling import DynamicSamplingConfig, OverlongConfig, apply_overlong, fill_batch
 from rl.gates import GateConfig
+from rl.prompts import draw_tasks
 from rl.ranks import SINGLE, ParallelConfig, Ranks, check_placement
 from rl.rewards import RewardWorker
 from rl.rollout import RolloutConfig, RolloutEngine, SamplingParams, open_engine, prompt_ids
@@ -88,6 +90,10 @@ class RLReasoningConfig(BaseModel):
     routing_replay: bool = Field(False, description="rollouts record each token's experts and the trainer's "
                                  "forward passes use them (R3): log-probs of the experts that produced the tokens")
     rollout_batch: int = Field(256, ge=1, description="sequences per generate() call")
+    dynamic_sampling: DynamicSamplingConfig = Field(DynamicSamplingConfig(), description=(
+        "replace zero-variance groups with fresh prompts' groups, within a bound per step (rl.dynamic_sampling)"))
+    overlong: OverlongConfig = Field(OverlongConfig(), description="what a response that hit max_new_tokens "
+                                     "trains as: keep, filter, penalty (rl.dynamic_sampling)")
     rollout: RolloutConfig = Field(RolloutConfig(), description="the engine rollouts come from: native or vLLM")
     # rewards
     reward_timeout_s: float = Field(10.0, gt=0)
@@ -147,14 +153,6 @@ def require_sandbox(cfg: RLReasoningConfig) -> None:
 
 
 # ---------------------------------------------------------------- one step
-def draw_tasks(pools: dict[str, list[Task]], weights: dict[str, float], n: int, seed: int, step: int) -> list[Task]:
-    """n prompts for `step`, a pure function of (seed, step): resume replays the same prompts."""
-    rng = random.Random(seed * 1_000_003 + step)
-    names = [d for d in pools]
-    w = [weights[d] for d in names]
-    return [rng.choice(pools[d]) for d in rng.choices(names, weights=w, k=n)]
-
-
 def score(worker: RewardWorker, samples: list[Sample], timeout_s: float) -> Counter:
     """Set reward / status on each sample; returns failures by reason."""
     failures: Counter = Counter()
@@ -270,37 +268,54 @@ def train(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir,
                           cfg.temperature, cfg.std_normalize, cfg.optim.grad_clip, cfg.policy_loss)
     ckpt_root, log_path = workdir.checkpoint / trainer.CHECKPOINTS, workdir.checkpoint / "metrics.jsonl"
     last: list[Sample] = []
+    counts: Counter = Counter()         # a step's overlong counts and reward seconds, over its rounds
 
     served = cfg.rollout.backend == "served"
     engine_root = workdir.checkpoint / ("engine" if served else f"engine-rank{ranks.rank}")
     with open_engine(cfg.rollout, model, tokenizer, stop_ids, pad_id, engine_root, int4=cfg.rollout_int4,
                      batch_size=cfg.rollout_batch, record_routes=cfg.routing_replay, ranks=ranks
                      ) as engine, RewardWorker() as worker:
-        def one_step(step: int) -> dict[str, Any]:
+        def rollout(step: int, rnd: int, first: int, n: int) -> tuple[list[Sample], Counter]:
+            """Round `rnd` of the step: n prompts (group ids first ..), generated and scored by
+            each rank for its share, gathered: every rank gets every group."""
             t0 = time.perf_counter()
-            engine.sync(model, step)
-            tasks = draw_tasks(pools, cfg.domains, cfg.prompts_per_step, seed, step)
+            tasks = draw_tasks(pools, cfg.domains, n, seed, step, rnd)
             lo, hi = ranks.bounds(len(tasks))               # this rank's groups (all of them on one)
-            mine = [Sample(t, g, prompt_ids(tokenizer, t)) for g, t in enumerate(tasks) if lo <= g < hi
+            mine = [Sample(t, first + g, prompt_ids(tokenizer, t)) for g, t in enumerate(tasks) if lo <= g < hi
                     for _ in range(cfg.group_size)]
             if served:       # one seed per group, drawn alike on any placement: rank count changes nothing
-                seeds = group_seeds(seed * 1_000_003 + step, len(tasks))
-                engine.generate(mine, sampling, sample_gen, seeds={g: seeds[g] for g in range(lo, hi)})
+                seeds = group_seeds(seed * 1_000_003 + step + rnd * 7_919_000_001, len(tasks))
+                engine.generate(mine, sampling, sample_gen, seeds={first + g: seeds[g] for g in range(lo, hi)})
             else:
                 engine.generate(mine, sampling, sample_gen)
             t1 = time.perf_counter()
             failures = score(worker, mine, cfg.reward_timeout_s)
-            reward_audit.recheck_rewarded(worker, mine, cfg.recheck_per_step, seed, step, cfg.reward_timeout_s)
-            t2 = time.perf_counter()
+            counts.update(apply_overlong(mine, cfg.overlong, cfg.max_new_tokens))
+            if rnd == 0:
+                reward_audit.recheck_rewarded(worker, mine, cfg.recheck_per_step, seed, step, cfg.reward_timeout_s)
+            counts.update({"time/generate": t1 - t0, "time/reward": time.perf_counter() - t1})
             samples = [s for share in ranks.gather(mine) for s in share]
-            failures = sum((Counter(f) for f in ranks.gather(dict(failures))), Counter())
+            return samples, sum((Counter(f) for f in ranks.gather(dict(failures))), Counter())
+
+        def one_step(step: int) -> dict[str, Any]:
+            t0 = time.perf_counter()
+            engine.sync(model, step)
+            counts.clear()
+            samples, drawn, failures, dynamic = fill_batch(
+                lambda rnd, first, n: rollout(step, rnd, first, n), cfg.prompts_per_step, cfg.dynamic_sampling)
+            t2 = time.perf_counter()
             flat = assign_advantages(samples, cfg.std_normalize, cfg.advantage)
             stats = update(model, policy.optimizer, samples, pad_id, params, gen, ranks)
             t3 = time.perf_counter()
             last[:] = samples
-            rec = step_record(step, samples, stats, flat, failures,
-                              {"generate": t1 - t0, "reward": t2 - t1, "train": t3 - t2})
+            # the reward and its figures from the step's own draw: the trained batch is selected for signal
+            seconds = {"generate": t2 - t0 - counts["time/reward"], "reward": counts["time/reward"],
+                       "train": t3 - t2}
+            rec = step_record(step, drawn, stats, flat, failures, seconds)
             rec.update(engine.metrics())
+            rec.update(dynamic)
+            keys = ("overlong/truncated", "overlong/filtered", "overlong/penalised")
+            rec.update(zip(keys, (int(v) for v in ranks.sum([float(counts[k]) for k in keys]))))
             if ranks.world > 1:
                 rec["trainer_ranks"] = ranks.world
             if lead:
@@ -386,6 +401,7 @@ def summary(cfg: RLReasoningConfig, records: list[dict[str, Any]], before: dict[
         "mismatch": mismatch_trend(records),
         "clip_fraction": sum(r.get("clip_fraction", 0.0) for r in records) / len(records),
         "zero_variance_groups": metrics.first_last(records, "zero_variance_groups"),
+        "batch_shaping": dynamic_sampling.totals(records),
         "entropy": metrics.first_last(records, "entropy"),
         "response_length": metrics.first_last(records, "response_length"),
         "reward_failures": dict(failures),

@@ -207,6 +207,16 @@ def test_rl_general_reports_components_disagreement_and_gates(inputs, tmp_path):
         assert (out / f).exists(), f
 
 
+def test_rl_general_dynamic_sampling_keeps_the_drawn_figures(inputs, tmp_path):
+    m = run_rl_general(_cfg(dynamic_sampling={"max_extra_groups": 2}, overlong={"mode": "filter"}), inputs,
+                       Workdir.at(tmp_path, seed=2), judges=_fake_judges())
+    rec = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    for r in rec:
+        assert 0 <= r["dynamic/extra_groups"] <= 2 and r["dynamic/replaced"] <= r["dynamic/flat_drawn"]
+        assert r["overlong/filtered"] == r["overlong/truncated"]
+    assert m["batch_shaping"]["dynamic/extra_groups"] == sum(r["dynamic/extra_groups"] for r in rec)
+
+
 def test_hung_judge_fails_samples_not_the_stage(inputs, tmp_path):
     release = threading.Event()
 

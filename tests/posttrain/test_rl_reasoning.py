@@ -57,8 +57,10 @@ def test_stage_reports_rewards_heldout_and_icepop(inputs, tmp_path):
     assert list((out / "tensorboard").iterdir())
 
 
-def test_killed_stage_resumes_to_the_uninterrupted_result(inputs, tmp_path):
-    cfg = _cfg()
+@pytest.mark.parametrize("shaping", [{}, {"dynamic_sampling": {"max_extra_groups": 3}, "overlong": {"mode": "filter"}}],
+                         ids=["plain", "dynamic-sampling"])
+def test_killed_stage_resumes_to_the_uninterrupted_result(inputs, tmp_path, shaping):
+    cfg = _cfg(**shaping)
     run_rl_reasoning(cfg, inputs, Workdir.at(tmp_path / "clean", seed=3))
 
     class Killed(Exception):
@@ -80,6 +82,20 @@ def test_killed_stage_resumes_to_the_uninterrupted_result(inputs, tmp_path):
     drop_time = lambda rs: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rs]
     assert drop_time(clean) == drop_time(again)
     assert resumed["reward"] == {"first": clean[0]["reward"], "last": clean[-1]["reward"]}
+
+
+def test_dynamic_sampling_refills_within_its_bound(inputs, tmp_path):
+    m = run_rl_reasoning(_cfg(dynamic_sampling={"max_extra_groups": 3}, overlong={"mode": "penalty", "buffer": 2}),
+                         inputs, Workdir.at(tmp_path, seed=3))
+    rec = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    for r in rec:
+        assert 0 <= r["dynamic/extra_groups"] <= 3
+        # a refill round runs while a flat group is left and the bound is not spent
+        assert r["dynamic/flat_trained"] == 0 or r["dynamic/extra_groups"] == 3
+        assert r["dynamic/replaced"] <= r["dynamic/flat_drawn"] <= 2
+        assert r["overlong/penalised"] >= r["overlong/truncated"]
+    totals = m["batch_shaping"]
+    assert totals["dynamic/extra_groups"] == sum(r["dynamic/extra_groups"] for r in rec)
 
 
 def test_learning_rate_zero_control_stays_flat(inputs, tmp_path):
