@@ -14,7 +14,7 @@ their keys.
     issue-pr --------------------------------------------------------------^
     issue-pr -> swe-envs (environments from real repositories) -> rl-agentic
     decontaminate -> tokenize -> pack -> pretrain -> context-1 -> context-2 -> context-3
-    -> dsa-warmup -> dsa-adapt -> sft -> rl-reasoning -> rl-agentic
+    -> dsa-warmup -> dsa-adapt -> sft -> rl-prompts -> rl-reasoning -> rl-agentic
     rl-reasoning -> reward-model;  rl-agentic + reward-model -> rl-general
     rl-general + sft + rl-reasoning + rl-agentic (teachers) -> distill
 """
@@ -69,8 +69,11 @@ LOCAL_GPUS = "rl.placement:local_gpus"  # the RL-side stages' ranks and the serv
 POSTTRAIN: list[StageSpec] = [
     # GLM-5 post-trains the model that DSA continue-pretraining produced.
     StageSpec("sft", "sft", "posttrain.sft:SFTConfig", "posttrain.sft:run_sft", parents=("dsa-adapt", "tokenize")),
+    # RL prompts measured by the SFT model's pass rate, for rl-reasoning to filter and weight
+    StageSpec("rl-prompts", "rl_prompts", "posttrain.rl_prompts:RLPromptsConfig", "posttrain.rl_prompts:run",
+              parents=("sft", "tokenize"), gpus=LOCAL_GPUS),
     StageSpec("rl-reasoning", "rl_reasoning", "posttrain.rl_reasoning:RLReasoningConfig",
-              "posttrain.rl_reasoning:run_rl_reasoning", parents=("sft", "tokenize"), gpus=LOCAL_GPUS),
+              "posttrain.rl_reasoning:run_rl_reasoning", parents=("sft", "tokenize", "rl-prompts"), gpus=LOCAL_GPUS),
     # software-engineering environments from real repositories (rl.swe), for rl-agentic's `swe`:
     # synthesised bugs, and issue-pr's pairs of the sources that are git checkouts
     StageSpec("swe-envs", "swe_envs", "posttrain.swe_envs:SWEEnvsConfig", "posttrain.swe_envs:run",

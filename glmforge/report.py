@@ -701,7 +701,26 @@ def posttraining(run: RunData) -> str:
     out.append(gates_section(run))
     out.append(recheck_section(run))
     out.append(swe_envs_section(run))
+    out.append(rl_prompts_section(run))
     return section("posttraining", "Post-training", "".join(out))
+
+
+PASS_RATE_BINS = ("0", "(0,1/4]", "(1/4,1/2]", "(1/2,3/4]", "(3/4,1)", "1")
+
+
+def rl_prompts_section(run: RunData) -> str:
+    """rl-prompts: per domain the measured prompts and their pass-rate histogram on the SFT model."""
+    m = run.metrics("rl-prompts")
+    doms = m.get("domains") if isinstance(m.get("domains"), dict) else {}
+    rows = [[td(d), td(get(v, "prompts"), f"rl-prompts.domains.{d}.prompts"),
+             td(get(v, "mean_pass_rate"), f"rl-prompts.domains.{d}.mean_pass_rate")]
+            + [td(get(v, "histogram", b), f"rl-prompts.domains.{d}.histogram.{b}") for b in PASS_RATE_BINS]
+            for d, v in sorted(doms.items())]
+    return ("<h3>RL prompts by difficulty (rl-prompts)</h3>"
+            + table(["domain", "prompts", "mean pass rate", *(f"pass rate {b}" for b in PASS_RATE_BINS)], rows)
+            + note(f"Each prompt's pass rate: the share of {fmt(m.get('samples_per_prompt'))} samples of the SFT "
+                   "model rewarded 1, at rl-reasoning's temperature. rl-reasoning draws from this pool when its "
+                   "prompt_pool.measured is on (filtered by pass rate, weighted by difficulty)."))
 
 
 def swe_envs_section(run: RunData) -> str:

@@ -49,9 +49,10 @@ from rl.algorithms import AdvantageName, PolicyLossName
 from rl import dynamic_sampling
 from rl.dynamic_sampling import DynamicSamplingConfig, OverlongConfig, apply_overlong, fill_batch
 from rl.gates import GateConfig
-from rl.prompts import draw_tasks
+from rl.prompts import PromptPoolConfig, draw_tasks, group_size, pool_tasks, read_pool
 from rl.ranks import SINGLE, ParallelConfig, Ranks, check_placement
 from rl.rewards import RewardWorker
+from rl.scoring import score
 from rl.rollout import RolloutConfig, RolloutEngine, SamplingParams, open_engine, prompt_ids
 from rl.sample import Sample, Status
 from rl.served import group_seeds
@@ -90,6 +91,9 @@ class RLReasoningConfig(BaseModel):
     routing_replay: bool = Field(False, description="rollouts record each token's experts and the trainer's "
                                  "forward passes use them (R3): log-probs of the experts that produced the tokens")
     rollout_batch: int = Field(256, ge=1, description="sequences per generate() call")
+    prompt_pool: PromptPoolConfig = Field(PromptPoolConfig(), description=(
+        "draw from rl-prompts' pool measured on the SFT model: filtered by pass rate, weighted by difficulty, hard "
+        "prompts sampled more (rl.prompts)"))
     dynamic_sampling: DynamicSamplingConfig = Field(DynamicSamplingConfig(), description=(
         "replace zero-variance groups with fresh prompts' groups, within a bound per step (rl.dynamic_sampling)"))
     overlong: OverlongConfig = Field(OverlongConfig(), description="what a response that hit max_new_tokens "
@@ -153,21 +157,6 @@ def require_sandbox(cfg: RLReasoningConfig) -> None:
 
 
 # ---------------------------------------------------------------- one step
-def score(worker: RewardWorker, samples: list[Sample], timeout_s: float) -> Counter:
-    """Set reward / status on each sample; returns failures by reason."""
-    failures: Counter = Counter()
-    todo = [s for s in samples if s.status in (Status.OK, Status.TRUNCATED)]
-    for s, outcome in zip(todo, worker.score([(s.text, s.task) for s in todo], timeout_s)):
-        s.reward_reason = outcome.reason
-        if outcome.status == "ok":
-            s.reward = float(outcome.score)
-            s.rewards = {s.task.domain: s.reward}
-        else:
-            s.status, s.reward = Status.REWARD_ERROR, 0.0
-            failures[f"{s.task.domain}:{outcome.status}"] += 1
-    return failures
-
-
 def step_record(step: int, samples: list[Sample], stats: dict[str, float], flat: float, failures: Counter,
                 seconds: dict[str, float]) -> dict[str, Any]:
     by_domain: dict[str, list[float]] = {}
@@ -233,8 +222,20 @@ def evaluate(engine: RolloutEngine, worker: RewardWorker, tokenizer, cfg: RLReas
 
 
 # ---------------------------------------------------------------- the stage
+def prompt_pools(cfg: RLReasoningConfig, inputs: dict[str, Path]
+                 ) -> tuple[dict[str, list[Task]], dict[str, list[float]] | None]:
+    """The step's prompt sources: each domain's whole pool, or rl-prompts' measured pool under
+    `prompt_pool` (with per-prompt weights when weighted by difficulty)."""
+    if cfg.prompt_pool.measured:
+        from posttrain.rl_prompts import POOL
+
+        return pool_tasks(read_pool(inputs["rl-prompts"] / POOL), cfg.domains, cfg.prompt_pool, "rl-reasoning")
+    return load_pools(cfg.domains, gsm8k_path=cfg.gsm8k_path, gsm8k_skip=cfg.gsm8k_skip, mbpp_path=cfg.mbpp_path), None
+
+
 def run_rl_reasoning(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
     require_sandbox(cfg)
+    prompt_pools(cfg, inputs)            # a pool the policy leaves empty stops the stage before any work
     if cfg.parallel.launch.world_size > 1:
         from rl.launch import run_on_ranks
 
@@ -256,7 +257,7 @@ def train(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir,
     ranks = ranks.with_experts_sharded(model, cfg.parallel.expert_parallel)
     stop_ids = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
     pad_id = tokenizer.token_to_id("<|pad|>")
-    pools = load_pools(cfg.domains, gsm8k_path=cfg.gsm8k_path, gsm8k_skip=cfg.gsm8k_skip, mbpp_path=cfg.mbpp_path)
+    pools, within = prompt_pools(cfg, inputs)
     heldout = arithmetic.tasks(cfg.heldout, "heldout", seed)
     gsm8k = gsm8k_tasks(cfg.gsm8k_test_path, 0)[: cfg.gsm8k_test] if cfg.gsm8k_test else []
 
@@ -279,10 +280,10 @@ def train(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir,
             """Round `rnd` of the step: n prompts (group ids first ..), generated and scored by
             each rank for its share, gathered: every rank gets every group."""
             t0 = time.perf_counter()
-            tasks = draw_tasks(pools, cfg.domains, n, seed, step, rnd)
+            tasks = draw_tasks(pools, cfg.domains, n, seed, step, rnd, within)
             lo, hi = ranks.bounds(len(tasks))               # this rank's groups (all of them on one)
             mine = [Sample(t, first + g, prompt_ids(tokenizer, t)) for g, t in enumerate(tasks) if lo <= g < hi
-                    for _ in range(cfg.group_size)]
+                    for _ in range(group_size(t, cfg.group_size, cfg.prompt_pool))]
             if served:       # one seed per group, drawn alike on any placement: rank count changes nothing
                 seeds = group_seeds(seed * 1_000_003 + step + rnd * 7_919_000_001, len(tasks))
                 engine.generate(mine, sampling, sample_gen, seeds={first + g: seeds[g] for g in range(lo, hi)})
@@ -346,6 +347,9 @@ def train(cfg: RLReasoningConfig, inputs: dict[str, Path], workdir: Workdir,
     records = metrics.read(log_path)
     result = summary(cfg, records, before, after)
     result["trainer_ranks"] = ranks.world
+    result["prompt_pool"] = ({"prompts": {d: len(ts) for d, ts in pools.items()},
+                              **cfg.prompt_pool.model_dump(exclude={"measured"})}
+                             if cfg.prompt_pool.measured else None)
     result["placement"] = {"trainer_ranks": ranks.world, "expert_parallel": cfg.parallel.expert_parallel,
                            "rollout": cfg.rollout.backend,
                            "servers": (len(cfg.rollout.servers.urls) or cfg.rollout.servers.replicas)

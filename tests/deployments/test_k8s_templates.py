@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from glmforge import k8s, shutdown
 from glmforge.cli import app
 from glmforge.config import load_config
+from glmforge.pipeline import STAGES
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "deployments" / "k8s"
@@ -52,7 +53,7 @@ def test_rendered_templates_pass_the_kubernetes_schema_and_the_prefect_shape(ren
     # every stage is in exactly one group
     groups = files["node-groups.json"]["groups"]
     stages = [s for g in groups.values() for s in g["stages"]]
-    assert len(stages) == len(set(stages)) == 22
+    assert len(stages) == len(set(stages)) == len(STAGES)
 
 
 def test_glm5_groups_follow_the_launch_config(rendered):

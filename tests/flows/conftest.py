@@ -41,6 +41,7 @@ FAST: list[str] = [
     "sft.max_steps=2", "sft.launch.nproc_per_node=1", "sft.eval_sequences=2",
     "sft.eval_gsm8k=1", "sft.max_new_tokens=4", "sft.seq_len=256",
     "sft.data={reasoning: 8, tool_calc: 4, tool_docs: 4, code: 4, arithmetic: 16, val_per_kind: 2}",
+    "rl_prompts.candidates=4", "rl_prompts.samples=2", "rl_prompts.chunk=2",
     "rl_reasoning.steps=1", "rl_reasoning.prompts_per_step=2", "rl_reasoning.group_size=2", "rl_reasoning.minibatches=1",
     "rl_reasoning.heldout=2", "rl_reasoning.gsm8k_test=1", "rl_reasoning.gsm8k_max_new_tokens=4",
     "rl_reasoning.examples=1",

@@ -1,0 +1,155 @@
+"""The `rl-prompts` stage: RL prompts measured by difficulty before RL spends rollouts on them.
+
+    sft (weights), tokenize --> rl-prompts --> rl-reasoning
+
+GLM-4.5 (which GLM-5 builds on) filters its RL prompts by how often the SFT model already solves
+them: dropping the ones it always solves gave +2-4% with half the data, and hard ones get more
+samples. This stage measures that once, as an artifact with its own key: for up to `candidates`
+prompts of each domain (a seeded choice), `samples` responses from the SFT model on the rollout
+engine (native, served or vLLM), scored by the same verifiers rl-reasoning rewards with (rl.rewards;
+model-written code in the sandbox). A prompt's pass rate is the share of its samples rewarded 1.
+rl-reasoning then draws from the pool with its `prompt_pool` policy (rl.prompts).
+
+Prompts are measured in chunks of `chunk`; each chunk samples from its own seeded generator and
+is appended to the checkpoint's pool.jsonl with a cursor, so a killed stage goes on after its
+last chunk and writes the pool an uninterrupted one would have.
+
+Artifact: pool.jsonl (one prompt per line: the task, its pass rate, mean reward and rewards) and
+pool.json (per domain: prompts, mean pass rate, the pass-rate histogram).
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+
+from chat.template import STOP_TOKENS
+from data_processing.tokenizer import load_tokenizer
+from domains.pools import DOMAINS, load_pools
+from domains.task import Task
+from glmforge.stage import OPERATIONAL, Workdir
+from rl import trainer
+from rl.prompts import histogram
+from rl.rewards import RewardWorker
+from rl.rollout import RolloutConfig, SamplingParams, open_engine, prompt_ids
+from rl.sample import Sample
+from rl.scoring import score
+from rl.sandbox import require_isolation
+
+POOL = "pool.jsonl"
+
+
+class RLPromptsConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    domains: list[str] = Field(["arithmetic"], min_length=1, description=f"domains to measure, of {DOMAINS}")
+    candidates: int = Field(512, ge=1, description="prompts measured per domain at most (a seeded choice of its "
+                            "pool; all of it when smaller)")
+    samples: int = Field(8, ge=1, description="responses per prompt from the SFT model: its pass rate's resolution")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature (rl-reasoning's, so the pass rate is "
+                               "the one its rollouts will see)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
+    max_new_tokens: int = Field(512, ge=1, description="response length limit")
+    chunk: int = Field(64, ge=1, description="prompts measured between checkpoints")
+    rollout_batch: int = Field(256, ge=1, description="sequences per generate() call")
+    rollout: RolloutConfig = Field(RolloutConfig(), description="the engine samples come from: native, served or vLLM")
+    reward_timeout_s: float = Field(10.0, gt=0, description="deadline of one reward call")
+    sandbox_allow_weak_isolation: StrictBool = Field(False, json_schema_extra=OPERATIONAL, description=(
+        "where bwrap is missing, run the code domain's model-written code with only limits (rl.sandbox); false: "
+        "the stage refuses to start"))
+    gsm8k_path: str = Field("{samples}/gsm8k/train.jsonl", description="GSM8K train file (math and tool domains)")
+    gsm8k_skip: int = Field(200, ge=0, description="GSM8K train lines SFT holds out (not RL prompts)")
+    mbpp_path: str = Field("{samples}/mbpp/mbpp.jsonl", description="MBPP file (code domain)")
+    threads: Optional[int] = Field(None, ge=1, description="torch threads of the stage's process")
+
+    @field_validator("domains")
+    @classmethod
+    def _domains(cls, v: list[str]) -> list[str]:
+        bad = sorted(set(v) - set(DOMAINS))
+        if bad:
+            raise ValueError(f"unknown domains {bad}; known: {', '.join(DOMAINS)}")
+        return v
+
+
+def candidates(cfg: RLPromptsConfig, seed: int) -> list[Task]:
+    """The prompts to measure, in order: per domain a seeded choice of up to `candidates`."""
+    pools = load_pools({d: 1.0 for d in cfg.domains}, gsm8k_path=cfg.gsm8k_path, gsm8k_skip=cfg.gsm8k_skip,
+                       mbpp_path=cfg.mbpp_path)
+    out: list[Task] = []
+    for d in cfg.domains:
+        pool = pools[d]
+        pick = random.Random(f"{seed}/rl-prompts/{d}").sample(range(len(pool)), min(cfg.candidates, len(pool)))
+        out += [pool[i] for i in sorted(pick)]
+    return out
+
+
+def measure(engine, worker: RewardWorker, tokenizer, tasks: list[Task], k: int, sampling: SamplingParams,
+            generator: torch.Generator, timeout_s: float) -> list[dict[str, Any]]:
+    """Each task's k sampled responses scored: {task, pass_rate (share rewarded 1), mean_reward, rewards}."""
+    samples = [Sample(t, i, prompt_ids(tokenizer, t)) for i, t in enumerate(tasks) for _ in range(k)]
+    engine.generate(samples, sampling, generator)
+    score(worker, samples, timeout_s)
+    out = []
+    for i, t in enumerate(tasks):
+        rewards = [s.reward for s in samples[i * k:(i + 1) * k]]
+        out.append({"domain": t.domain, "prompt": t.prompt, "answer": t.answer, "meta": t.meta,
+                    "pass_rate": sum(r >= 1.0 for r in rewards) / k, "mean_reward": sum(rewards) / k,
+                    "rewards": rewards})
+    return out
+
+
+def run(cfg: RLPromptsConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
+    if "code" in cfg.domains:
+        require_isolation(cfg.sandbox_allow_weak_isolation, "rl_prompts.sandbox_allow_weak_isolation")
+    seed = workdir.seed
+    tasks = candidates(cfg, seed)
+    tokenizer = load_tokenizer(inputs["tokenize"])
+    model = trainer.load_policy(inputs["sft"], "sft", tokenizer, seed, cfg.threads)
+    stop_ids = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
+    pad_id = tokenizer.token_to_id("<|pad|>")
+    sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
+
+    ckpt = workdir.checkpoint
+    ckpt.mkdir(parents=True, exist_ok=True)
+    lines, cursor_file = ckpt / POOL, ckpt / "cursor.json"
+    cursor = json.loads(cursor_file.read_text()) if cursor_file.exists() else {"chunks": 0, "bytes": 0}
+    with open(lines, "ab") as f:                 # what a killed attempt wrote after its last cursor
+        f.truncate(cursor["bytes"])
+    chunks = [tasks[i:i + cfg.chunk] for i in range(0, len(tasks), cfg.chunk)]
+    if cursor["chunks"] < len(chunks):
+        with open_engine(cfg.rollout, model, tokenizer, stop_ids, pad_id, ckpt / "engine",
+                         batch_size=cfg.rollout_batch) as engine, RewardWorker() as worker:
+            engine.sync(model, 0)
+            for c in range(cursor["chunks"], len(chunks)):
+                gen = torch.Generator().manual_seed(seed * 1_000_003 + c)
+                rows = measure(engine, worker, tokenizer, chunks[c], cfg.samples, sampling, gen, cfg.reward_timeout_s)
+                with open(lines, "a", encoding="utf-8") as f:
+                    f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+                cursor = {"chunks": c + 1, "bytes": lines.stat().st_size}
+                tmp = cursor_file.with_suffix(".tmp")
+                tmp.write_text(json.dumps(cursor))
+                tmp.replace(cursor_file)
+                workdir.persist_checkpoint()
+                workdir.progress(min((c + 1) * cfg.chunk, len(tasks)), len(tasks), "rl-prompts: measured")
+    rows = [json.loads(x) for x in lines.read_text(encoding="utf-8").splitlines() if x.strip()]
+    workdir.out.mkdir(parents=True, exist_ok=True)
+    (workdir.out / POOL).write_text(lines.read_text(encoding="utf-8"), encoding="utf-8")
+    result = summary(rows, cfg.samples)
+    (workdir.out / "pool.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def summary(rows: list[dict[str, Any]], k: int) -> dict[str, Any]:
+    """Per domain: prompts, mean pass rate, solved (1) and unsolved (0) shares, and the histogram."""
+    out: dict[str, Any] = {"prompts": len(rows), "samples_per_prompt": k, "domains": {}}
+    for d in sorted({r["domain"] for r in rows}):
+        rates = [r["pass_rate"] for r in rows if r["domain"] == d]
+        out["domains"][d] = {"prompts": len(rates), "mean_pass_rate": sum(rates) / len(rates),
+                             "solved": sum(p == 1.0 for p in rates) / len(rates),
+                             "unsolved": sum(p == 0.0 for p in rates) / len(rates),
+                             "histogram": histogram(rates)}
+    return out
