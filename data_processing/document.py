@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -62,17 +63,45 @@ def shard_name(index: int) -> str:
     return f"part-{index:05d}.parquet"
 
 
-def write_shard(path: Path, docs: list[Document]) -> None:
-    """Write one shard atomically (tmp file + rename), so a crash never leaves half a shard."""
-    # from_arrays, not pa.table(dict): that one imports pandas (0.2 s) to ask if it was given a DataFrame
-    table = pa.Table.from_arrays(
-        [pa.array([d.id for d in docs], pa.string()), pa.array([d.text for d in docs], pa.string()),
-         pa.array([d.source for d in docs], pa.string()), pa.array([d.metadata_json() for d in docs], pa.string())],
+def documents_table(docs: list[Document]) -> pa.Table:
+    """Documents as a table of the shard schema."""
+    return pa.Table.from_arrays(
+        [string_array([d.id for d in docs]), string_array([d.text for d in docs]),
+         string_array([d.source for d in docs]), string_array([d.metadata_json() for d in docs])],
         schema=SCHEMA,
     )
+
+
+def write_shard(path: Path, docs: list[Document] | pa.Table) -> None:
+    """Write one shard (documents, or a table of the shard schema) atomically (tmp file +
+    rename), so a crash never leaves half a shard."""
+    table = docs if isinstance(docs, pa.Table) else documents_table(docs)
     tmp = path.with_name(path.name + ".tmp")
     pq.write_table(table, tmp, compression="zstd")
     tmp.replace(path)
+
+
+def string_array(values: list[str]) -> pa.Array:
+    """An Arrow string array of Python strings, built from their UTF-8 bytes and offsets: several
+    times faster than pa.array on text, which also imports pandas (0.2 s) to ask whether it was
+    given a Series. pa.array where the bytes would not fit 32-bit offsets or a string does not
+    encode (a lone surrogate: its error is Arrow's, as before)."""
+    try:
+        data = [v.encode() for v in values]
+    except UnicodeEncodeError:
+        return pa.array(values, pa.string())
+    offsets = np.zeros(len(data) + 1, dtype=np.int32)
+    total = sum(map(len, data))
+    if total >= 2**31:
+        return pa.array(values, pa.string())
+    np.cumsum(np.fromiter(map(len, data), dtype=np.int32, count=len(data)), out=offsets[1:])
+    return pa.StringArray.from_buffers(len(data), pa.py_buffer(offsets), pa.py_buffer(b"".join(data)))
+
+
+def bool_array(values: list[bool]) -> pa.BooleanArray:
+    """An Arrow boolean array from its bits (pa.array imports pandas: string_array's note)."""
+    bits = np.packbits(np.asarray(values, dtype=bool), bitorder="little")
+    return pa.BooleanArray.from_buffers(pa.bool_(), len(values), [None, pa.py_buffer(bits.tobytes())])
 
 
 def shard_paths(directory: Path) -> list[Path]:
@@ -86,12 +115,17 @@ def read_shard(path: Path, batch_size: int = 1024) -> Iterator[Document]:
     if missing:
         raise ValueError(f"{path}: not a document shard, missing column(s) {sorted(missing)}")
     for batch in pf.iter_batches(batch_size=batch_size):
-        cols = batch.to_pydict()
-        n = len(cols["id"])
-        sources = cols.get("source", [""] * n)
-        metas = cols.get("metadata", [None] * n)
-        for i in range(n):
-            yield Document(cols["id"][i], cols["text"][i], sources[i] or "", metadata_json=metas[i] or "{}")
+        yield from table_documents(batch)
+
+
+def table_documents(rows: pa.Table | pa.RecordBatch) -> Iterator[Document]:
+    """The documents of a table or record batch of shard rows (source and metadata optional)."""
+    cols = rows.to_pydict()
+    n = len(cols["id"])
+    sources = cols.get("source", [""] * n)
+    metas = cols.get("metadata", [None] * n)
+    for i in range(n):
+        yield Document(cols["id"][i], cols["text"][i], sources[i] or "", metadata_json=metas[i] or "{}")
 
 
 def read_ids_and_metadata(directory: Path) -> Iterator[tuple[str, str]]:
@@ -112,7 +146,8 @@ def read_documents(directory: Path) -> Iterator[Document]:
 
 
 class ShardWriter:
-    """Collects documents and writes numbered shards of `shard_size` documents."""
+    """Collects documents, or tables of documents' rows, and writes numbered shards of
+    `shard_size` documents."""
 
     def __init__(self, directory: Path, shard_size: int, start_index: int = 0):
         if shard_size <= 0:
@@ -122,10 +157,14 @@ class ShardWriter:
         self.shard_size = shard_size
         self.index = start_index
         self.buffer: list[Document] = []
+        self.tables: list[pa.Table] = []     # rows given as tables (write_table), in order
         self.written = 0
 
     def write(self, doc: Document) -> Path | None:
         """Buffer a document; returns the shard path when this call completed a shard."""
+        if self.tables:                      # rows are pending as a table: keep their order
+            self.write_table(documents_table([doc]))
+            return None
         self.buffer.append(doc)
         if len(self.buffer) >= self.shard_size:
             return self.flush()
@@ -135,13 +174,35 @@ class ShardWriter:
         for d in docs:
             self.write(d)
 
+    def write_table(self, table: pa.Table) -> None:
+        """Buffer a table's rows (the shard schema; documents passed through unchanged need no
+        Python objects), writing every shard it completes."""
+        if self.buffer:
+            self.tables.append(documents_table(self.buffer))
+            self.buffer = []
+        self.tables.append(table)
+        rows = pa.concat_tables(self.tables)
+        while rows.num_rows >= self.shard_size:
+            self._write(rows.slice(0, self.shard_size))
+            rows = rows.slice(self.shard_size)
+        self.tables = [rows] if rows.num_rows else []
+
     def flush(self) -> Path | None:
+        if self.tables:
+            if self.buffer:
+                self.tables.append(documents_table(self.buffer))
+                self.buffer = []
+            rows, self.tables = pa.concat_tables(self.tables), []
+            return self._write(rows) if rows.num_rows else None
         if not self.buffer:
             return None
+        path, self.buffer = self._write(self.buffer), []
+        return path
+
+    def _write(self, rows: list[Document] | pa.Table) -> Path:
         path = self.directory / shard_name(self.index)
-        write_shard(path, self.buffer)
-        self.written += len(self.buffer)
-        self.buffer = []
+        write_shard(path, rows)
+        self.written += len(rows)
         self.index += 1
         return path
 

@@ -13,9 +13,14 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
-from data_processing.document import Document, ShardWriter
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from data_processing.common import check_document
+from data_processing.document import (SCHEMA, Document, ShardWriter, bool_array, documents_table, read_shard,
+                                      table_documents)
 from glmforge.stage import ProgressFn
 
 Verdict = bool | tuple[bool, str]  # True, or (False, reason)
@@ -87,6 +92,55 @@ def write_decisions(
     if progress is not None:
         progress(counts.documents_in, total or counts.documents_in, step)
     return counts
+
+
+def write_shard_decisions(
+    shards: list[Path],
+    verdicts: Sequence[Verdict],
+    out: Path,
+    step: str,
+    shard_size: int,
+) -> FilterCounts:
+    """write_decisions for a step that decided every document of its input shards at once
+    (verdicts in shard order): each shard's kept rows go out as Arrow rows, never as Python
+    objects (a dedup keeps almost everything); dropped ones get their reason as before. A shard
+    whose rows are not usable documents is read document by document, so its error names it."""
+    kept_writer = ShardWriter(Path(out), shard_size)
+    removed_writer = ShardWriter(Path(out) / REMOVED_DIR, shard_size)
+    counts = FilterCounts()
+    start = 0
+    for path in shards:
+        table = pq.ParquetFile(path).read()
+        mine = verdicts[start:start + table.num_rows]
+        start += table.num_rows
+        reasons = [_drop_reason(v) for v in mine]
+        if not _usable(table):
+            docs = list(read_shard(path))
+            for d in docs:
+                check_document(d, str(path))
+            table = documents_table(docs)
+        keep = [r is None for r in reasons]
+        kept_writer.write_table(table.filter(bool_array(keep)))
+        dropped = [i for i, r in enumerate(reasons) if r is not None]
+        for i, doc in zip(dropped, table_documents(table.filter(bool_array([not k for k in keep])))):
+            removed_writer.write(Document(doc.id, doc.text, doc.source, removed_metadata(doc.metadata, reasons[i], step)))
+            counts.reasons[reasons[i]] += 1
+        counts.documents_in += table.num_rows
+        counts.kept += table.num_rows - len(dropped)
+    if start != len(verdicts):
+        raise ValueError(f"{step}: {len(verdicts)} decisions for {start} documents")
+    kept_writer.close()
+    removed_writer.close()
+    return counts
+
+
+def _usable(table: pa.Table) -> bool:
+    """The shard schema, every id a non-empty string, every text a string."""
+    if table.schema != SCHEMA:
+        return False
+    ids, text = table.column("id"), table.column("text")
+    # not pyarrow.compute: its first call imports pandas (0.2 s)
+    return ids.null_count == 0 and text.null_count == 0 and "" not in ids.to_pylist()
 
 
 def filter_documents(

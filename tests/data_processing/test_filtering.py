@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from data_processing.document import Document, read_documents, shard_paths
+from data_processing.document import Document, read_documents, read_shard, shard_paths
 from data_processing.filtering import count_metrics, filter_documents, write_decisions
 
 
@@ -49,3 +49,51 @@ def test_empty_input_writes_both_directories(tmp_path):
 def test_a_drop_needs_a_reason_and_a_keep_is_true(tmp_path, bad):
     with pytest.raises(TypeError, match="True or \\(False, reason\\)"):
         write_decisions([(docs(1)[0], bad)], tmp_path, "s", 10)
+
+
+def _shards(tmp_path, pieces: list[list[Document]]):
+    from data_processing.document import write_shard
+
+    (tmp_path / "in").mkdir()
+    for i, part in enumerate(pieces):
+        write_shard(tmp_path / "in" / f"part-{i:05d}.parquet", part)
+    return shard_paths(tmp_path / "in")
+
+
+def test_decisions_over_whole_shards_write_what_one_document_at_a_time_does(tmp_path):
+    from data_processing.filtering import write_shard_decisions
+
+    all_docs = docs(11)
+    verdicts = [True if i % 3 else (False, f"dup_of:d{i + 1}") for i in range(11)]
+    shards = _shards(tmp_path, [all_docs[:4], all_docs[4:9], all_docs[9:]])
+    a = write_decisions(zip(all_docs, verdicts), tmp_path / "a", "s", shard_size=3)
+    b = write_shard_decisions(shards, verdicts, tmp_path / "b", "s", shard_size=3)
+    assert a == b
+    for sub in ("", "removed"):
+        pa_, pb = shard_paths(tmp_path / "a" / sub), shard_paths(tmp_path / "b" / sub)
+        assert [p.name for p in pa_] == [p.name for p in pb]
+        assert list(read_documents(tmp_path / "a" / sub)) == list(read_documents(tmp_path / "b" / sub))
+
+
+def test_decisions_over_a_shard_with_an_empty_id_name_it(tmp_path):
+    from data_processing.filtering import write_shard_decisions
+
+    shards = _shards(tmp_path, [[Document("a", "x"), Document("", "text of the bad one")]])
+    with pytest.raises(ValueError, match=r"part-00000.parquet: document with text 'text of the bad one'"):
+        write_shard_decisions(shards, [True, True], tmp_path / "out", "s", shard_size=3)
+
+
+def test_rows_given_as_tables_make_the_shards_documents_do(tmp_path):
+    from data_processing.document import ShardWriter, documents_table
+
+    all_docs = docs(10)
+    one = ShardWriter(tmp_path / "one", 4)
+    one.write_all(all_docs)
+    one.close()
+    tables = ShardWriter(tmp_path / "tables", 4)
+    for lo, hi in ((0, 1), (1, 6), (6, 6), (6, 10)):
+        tables.write_table(documents_table(all_docs[lo:hi]))
+    tables.close()
+    assert [p.name for p in shard_paths(tmp_path / "one")] == [p.name for p in shard_paths(tmp_path / "tables")]
+    for p, q in zip(shard_paths(tmp_path / "one"), shard_paths(tmp_path / "tables")):
+        assert list(read_shard(p)) == list(read_shard(q))
