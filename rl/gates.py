@@ -60,10 +60,12 @@ class GateEvalConfig(BaseModel):
     arithmetic: int = Field(200, ge=1, description="held-out addition prompts")
     gsm8k_path: str = "{samples}/gsm8k/test.jsonl"
     # sized so that each accuracy's noise (2 standard errors of a difference) is below its default
-    # tolerance where the tiny model's shares sit: gsm8k near 0 (0.09 at n 32), tool calls near
-    # 0.5 (0.18 at n 64), addition anywhere (0.10 at 0.5, 0.075 at 0.8 at n 200; at n 100 the
-    # demo's 0.75-0.88 gave 0.10-0.11, above the 0.1 tolerance); gates.json says where it is not
-    gsm8k: int = Field(32, ge=1, description="GSM8K test questions (accuracy and perplexity)")
+    # tolerance where the tiny model's shares sit: gsm8k near 0 (at n 32 the demo's 0.05-0.07
+    # gave 0.105-0.121, above the 0.1 tolerance, on three stages: 0.06-0.07 at n 96, and below
+    # 0.1 up to a share of 0.13), tool calls near 0.5 (0.18 at n 64), addition anywhere (0.10 at
+    # 0.5, 0.075 at 0.8 at n 200; at n 100 the demo's 0.75-0.88 gave 0.10-0.11); gates.json says
+    # where it is not
+    gsm8k: int = Field(96, ge=1, description="GSM8K test questions (accuracy and perplexity)")
     tool: int = Field(64, ge=1, description="GSM8K test questions offered the calculator (tool_call_validity)")
     gsm8k_max_new_tokens: int = Field(48, ge=1)
     tool_max_new_tokens: int = Field(32, ge=1)
