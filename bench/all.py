@@ -175,7 +175,8 @@ def rl_prefix(out: str) -> tuple[str, str]:
     return (f"a group's prompt once vs once per sample: trainer update {r['trainer_s']:.2f} -> "
             f"{r['trainer_shared_s']:.2f} s = {r['trainer_speedup']:.2f}x (token passes {r['token_ratio']:.2f}x, "
             f"FLOPs {r['flops_ratio']:.2f}x fewer); rollouts {r['rollout_s']:.2f} -> {r['rollout_shared_s']:.2f} s "
-            f"= {r['rollout_speedup']:.2f}x", ", ".join(f"{k} {v}" for k, v in r["settings"].items()))
+            f"= {r['rollout_speedup']:.2f}x; agent turns with the turn cache {r['agent_s']:.2f} -> "
+            f"{r['agent_cached_s']:.2f} s = {r['agent_speedup']:.2f}x", ", ".join(f"{k} {v}" for k, v in r["settings"].items()))
 
 
 def launch(out: str) -> tuple[str, str]:

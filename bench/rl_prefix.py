@@ -7,8 +7,10 @@ rubric) before a short answer. Both sides of RL can compute a shared prompt once
 - the trainer (rl.update): the old log-prob recompute and every minibatch's forward + backward
   run each distinct prompt (but its last token) once, and each sample's response over a copy of
   its latent KV cache (collate's `share_prefix`); gradients of the copies sum into the prompt.
+- agent turns (rl.rollout.TurnCache): each turn of an episode continues the KV cache of its
+  previous turn and feeds only the new tokens (the last sampled token and the tool's reply).
 Both arms of each side run in this process on the same model and samples; the results agree
-(tests/rl/test_prefix_sharing.py checks log-probs and gradients).
+(tests/rl/test_prefix_sharing.py checks log-probs, gradients and sampled tokens).
 
     .venv/bin/python bench/rl_prefix.py [--prompt 600] [--response 32] [--group 8] [--prompts 4] [--json]
 
@@ -32,6 +34,7 @@ from model.config import tiny  # noqa: E402
 from model.generate import generate  # noqa: E402
 from model.info import flops_per_token  # noqa: E402
 from model.model import GLMModel  # noqa: E402
+from rl.rollout import SamplingParams  # noqa: E402
 from rl.sample import Sample  # noqa: E402
 from rl.update import UpdateParams, update  # noqa: E402
 
@@ -142,12 +145,37 @@ def rollout_arm(model: GLMModel, a, share: bool, repeats: int) -> float:
                                  generator=torch.Generator().manual_seed(0)), repeats)
 
 
+def agent_arm(model: GLMModel, a, cached: bool, repeats: int) -> float:
+    """Seconds for `turns` agent turns of every episode through rl.rollout.RolloutEngine.complete:
+    each turn samples up to `response` tokens, then a tool reply of 8 tokens joins the
+    conversation. With the turn cache a turn feeds only its new tokens; without it, the whole
+    conversation again."""
+    from rl.rollout import RolloutEngine
+
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, model.config.vocab_size, (a.prompt - 3 * k,), generator=g).tolist()
+               for k in range(a.prompts)]
+    reply = torch.randint(1, model.config.vocab_size, (8,), generator=g).tolist()
+
+    def run():
+        engine = RolloutEngine(model, None, [], PAD, batch_size=256)
+        if not cached:
+            engine.turns.longest = lambda p: (0, None)
+        convs = [list(p) for p in prompts for _ in range(a.group)]
+        for turn in range(a.turns):
+            outs = engine.complete(convs, SamplingParams(1.0, 1.0, a.response), torch.Generator().manual_seed(turn))
+            convs = [c + toks + reply for c, (toks, *_) in zip(convs, outs)]
+
+    return best(run, repeats)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", type=int, default=600, help="prompt tokens (rl-general's tool prompts: ~600)")
     ap.add_argument("--response", type=int, default=32, help="response tokens at most")
     ap.add_argument("--group", type=int, default=8, help="samples per prompt (GLM-5: 32)")
     ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=3, help="agent turns (the agent arm)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true")
@@ -164,10 +192,12 @@ def main() -> None:
     train = {share: trainer_arm(model, samples, share, a.repeats) for share in (False, True)}
     model.eval()
     roll = {share: rollout_arm(model, a, share, a.repeats) for share in (False, True)}
+    agent = {cached: agent_arm(model, a, cached, a.repeats) for cached in (False, True)}
     r = {"trainer_s": train[False], "trainer_shared_s": train[True], "trainer_speedup": train[False] / train[True],
          "rollout_s": roll[False], "rollout_shared_s": roll[True], "rollout_speedup": roll[False] / roll[True],
+         "agent_s": agent[False], "agent_cached_s": agent[True], "agent_speedup": agent[False] / agent[True],
          **cost,
-         "settings": {"prompt": a.prompt, "response": a.response, "group": a.group, "prompts": a.prompts,
+         "settings": {"prompt": a.prompt, "response": a.response, "group": a.group, "prompts": a.prompts, "turns": a.turns,
                       "model": "tiny", "threads": a.threads, "repeats": a.repeats}}
     r["token_ratio"] = cost["token_passes"] / cost["token_passes_shared"]
     r["flops_ratio"] = cost["flops_per_update"] / cost["flops_per_update_shared"]
@@ -177,6 +207,7 @@ def main() -> None:
     print(f"trainer: {train[False]:.2f} s per update -> {train[True]:.2f} s shared = {r['trainer_speedup']:.2f}x; "
           f"token passes {r['token_ratio']:.2f}x fewer, FLOPs {r['flops_ratio']:.2f}x fewer")
     print(f"rollouts: {roll[False]:.2f} s -> {roll[True]:.2f} s shared = {r['rollout_speedup']:.2f}x")
+    print(f"agent turns: {agent[False]:.2f} s -> {agent[True]:.2f} s with the turn cache = {r['agent_speedup']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from model.cache import KVCache
 from model.model import GLMModel
 
 
@@ -23,6 +24,7 @@ class Generation:
     tokens: torch.Tensor       # [B, T0+N] prompt followed by the new tokens
     new_tokens: torch.Tensor   # [B, N]
     logprobs: torch.Tensor     # [B, N] fp32 log-prob of each new token (0 after EOS)
+    cache: KVCache | None = None   # the KV cache at the end (every token fed), with use_cache
 
 
 @contextmanager
@@ -72,11 +74,13 @@ def generate(model: GLMModel, input_ids: torch.Tensor, max_new_tokens: int, *, t
              top_p: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None,
              seed: int | None = None, attention_mask: torch.Tensor | None = None,
              eos_token_id: int | Sequence[int] | None = None, use_cache: bool = True,
-             rows: torch.Tensor | None = None) -> Generation:
+             rows: torch.Tensor | None = None, cache: KVCache | None = None) -> Generation:
     """input_ids [B,T0] (left-padded if attention_mask marks padding) -> Generation.
 
     rows [B'] (with the cache): prefill each prompt once, then continue row b of the output from
     prompt rows[b] (GRPO samples a group's responses from one prompt: one prefill, not G).
+    cache: a KV cache already holding each row's earlier tokens (an agent's previous turns):
+    input_ids continue it.
 
     eos_token_id: one stop id or several (a chat template's end-of-turn set); a row stops at the
     first of them, which is kept, and is padded with it afterwards (log-prob 0).
@@ -93,7 +97,8 @@ def generate(model: GLMModel, input_ids: torch.Tensor, max_new_tokens: int, *, t
     stops = None if eos_token_id is None else torch.tensor(
         [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=input_ids.device)
     fill = torch.full((B,), -1, dtype=torch.long, device=input_ids.device)   # the stop id each row ended on
-    cache = model.new_cache() if use_cache else None
+    if cache is None:
+        cache = model.new_cache() if use_cache else None
     with eval_mode(model):
         logits = model(ids, attention_mask=mask, cache=cache).logits[:, -1]
         if rows is not None:
@@ -119,4 +124,4 @@ def generate(model: GLMModel, input_ids: torch.Tensor, max_new_tokens: int, *, t
                 logits = model(ids, attention_mask=mask).logits[:, -1]
     new = torch.stack(toks, 1) if toks else input_ids.new_zeros(B, 0)
     logprobs = torch.stack(lps, 1) if lps else torch.zeros(B, 0)
-    return Generation(ids, new, logprobs)
+    return Generation(ids, new, logprobs, cache)

@@ -43,7 +43,7 @@ from domains import arithmetic
 from domains.task import Task
 from model.model import GLMModel
 from rl.judges import valid_tool_call
-from rl.rollout import RolloutEngine, SamplingParams, prompt_ids
+from rl.rollout import RolloutEngine, SamplingParams, TurnCache, prompt_ids
 
 # bumped whenever measure() changes what it computes: evals recorded under another version are
 # measured again, not reused
@@ -108,6 +108,7 @@ class _Direct(RolloutEngine):
         self.tokenizer, self.model, self.batch_size, self.int4, self.version = tokenizer, model, batch, None, 0
         self.stop_ids = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
         self.pad_id = tokenizer.token_to_id("<|pad|>")
+        self.turns = TurnCache(limit=4 * batch)
 
 
 def _greedy(engine: RolloutEngine, prefixes: list[list[int]], max_new: int) -> list[list[int]]:

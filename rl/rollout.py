@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from chat.template import Message, encode
 from domains.task import Task
+from model.cache import KVCache
 from model.generate import generate
 from model.model import GLMModel
 from model.moe import recording_routes
@@ -80,6 +81,85 @@ def open_engine(cfg: RolloutConfig, policy: GLMModel, tokenizer, stop_ids: list[
     return VLLMEngine(policy, tokenizer, stop_ids, cfg.vllm, root, int4=int4)
 
 
+class TurnCache:
+    """The KV cache of each row of the engine's last two calls, by the tokens it holds (its
+    prefix and every sampled token but the last), so that an agent's next turn, which is those
+    tokens, the last one, and the tool's reply, feeds only what is new instead of the whole
+    conversation again (what vLLM's and SGLang's prefix caches do for the served engines).
+    Cleared when the weights change; at most about 2 x `limit` rows are held (a server that is
+    called without turns in between keeps its memory bounded)."""
+
+    def __init__(self, limit: int = 1024):
+        self.limit = limit
+        self.previous: dict[tuple[int, ...], tuple[KVCache, int, torch.Tensor]] = {}
+        self.current: dict[tuple[int, ...], tuple[KVCache, int, torch.Tensor]] = {}
+
+    def clear(self) -> None:
+        self.previous, self.current = {}, {}
+
+    def next_call(self) -> None:
+        self.previous, self.current = self.current, {}
+
+    def remember(self, prefixes: list[list[int]], done: list[tuple], cache: KVCache) -> None:
+        """done: _batch's (tokens, ...) per row of `cache`."""
+        if len(self.current) >= self.limit:
+            self.next_call()
+        for b, (p, (toks, *_)) in enumerate(zip(prefixes, done)):
+            held = p + toks[:-1]                      # fed to the model: the last token never was
+            cols = cache.key_valid[b].nonzero().squeeze(1)[:len(held)]
+            self.current[tuple(held)] = (cache, b, cols)
+
+    def longest(self, prefix: list[int]) -> tuple[int, tuple[KVCache, int, torch.Tensor] | None]:
+        """The most tokens of `prefix` (fewer than all) held by one remembered row, and that row."""
+        best = (0, None)
+        for table in (self.current, self.previous):
+            for key, row in table.items():
+                n = len(key)
+                if best[0] < n < len(prefix) and tuple(prefix[:n]) == key:
+                    best = (n, row)
+        return best
+
+
+def continued_cache(model: GLMModel, prefixes: list[list[int]], hits: list[tuple[int, tuple | None]],
+                    pad_id: int) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
+    """A batch KV cache of each row's remembered tokens (TurnCache) and the new tokens after them,
+    left-padded so that every row's real tokens are contiguous (a hole would shift a sliding
+    window): every row feeds the same number T of new tokens, a row with fewer new tokens
+    re-feeds its last remembered ones, and a row with too few remembered tokens feeds all.
+    Returns (cache, new ids [B,T], their mask)."""
+    T = max(len(p) - n for p, (n, _) in zip(prefixes, hits))
+    kept = [max(len(p) - T, 0) if row is not None else 0 for p, (_, row) in zip(prefixes, hits)]
+    B, S = len(prefixes), max(kept)
+    cache = model.new_cache()
+    ref = next(row for _, row in hits if row is not None)[0]
+    valid = torch.zeros(B, S, dtype=torch.bool)
+    pos = torch.full((B, S), -1, dtype=torch.long)     # a row with nothing kept starts at position 0
+    for layer in range(len(cache.c)):
+        for name in ("c", "kr", "ik"):
+            src = getattr(ref, name)[layer]
+            if src is None:
+                continue
+            out = src.new_zeros(B, S, src.shape[-1])
+            for b, ((_, row), k) in enumerate(zip(hits, kept)):
+                if k:
+                    rc, rb, cols = row
+                    out[b, S - k:] = getattr(rc, name)[layer][rb, cols[:k]]
+            getattr(cache, name)[layer] = out
+    for b, ((_, row), k) in enumerate(zip(hits, kept)):
+        if k:
+            rc, rb, cols = row
+            valid[b, S - k:] = True
+            pos[b, S - k:] = rc.pos[rb, cols[:k]]
+    cache.key_valid, cache.doc, cache.pos = valid, torch.zeros(B, S, dtype=torch.long), pos
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.long)
+    for b, (p, k) in enumerate(zip(prefixes, kept)):
+        new = p[k:]
+        ids[b, T - len(new):] = torch.tensor(new)
+        mask[b, T - len(new):] = 1
+    return cache, ids, mask
+
+
 class RolloutEngine:
     def __init__(self, policy: GLMModel, tokenizer, stop_ids: list[int], pad_id: int,
                  int4: QATConfig | None = None, batch_size: int = 64, record_routes: bool = False):
@@ -94,6 +174,7 @@ class RolloutEngine:
             prepare_qat(self.model, int4)     # state-dict names unchanged: sync stays a plain copy
         self.model.eval()
         self.version = 0
+        self.turns = TurnCache(limit=4 * batch_size)
 
     def __enter__(self) -> "RolloutEngine":
         return self
@@ -107,11 +188,16 @@ class RolloutEngine:
     def sync(self, policy: GLMModel, version: int) -> None:
         self.model.load_state_dict(policy.state_dict())
         self.version = version
+        self.turns.clear()                   # the remembered KV is the old weights'
+
+    def _call(self) -> None:
+        self.turns.next_call()
 
     @torch.no_grad()
     def generate(self, samples: list[Sample], params: SamplingParams, generator: torch.Generator) -> None:
         """Fill response_ids, rollout_logprobs, versions, loss_mask, status and text in place (and
         routes, when recording)."""
+        self._call()
         prefixes = [s.prompt_ids for s in samples]
         done = []
         for i in range(0, len(prefixes), self.batch_size):
@@ -129,6 +215,7 @@ class RolloutEngine:
         """Continue each token prefix: (new ids up to and including the first stop token,
         their log-probs, whether a stop token ended it, the policy version of each), in order.
         keys: affinity keys, for engines with replicas (one engine here: unused)."""
+        self._call()
         out = []
         for i in range(0, len(prefixes), self.batch_size):
             out += [(toks, lps, stopped, [self.version] * len(toks))
@@ -157,15 +244,22 @@ class RolloutEngine:
 
     def _batch(self, prefixes: list[list[int]], params: SamplingParams, generator: torch.Generator,
                record: bool = False) -> list[tuple[list[int], list[float], bool, torch.Tensor | None]]:
-        # a group's samples share their prompt: prefill each distinct prompt once
-        distinct: dict[tuple[int, ...], int] = {}
-        rows = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prefixes])
-        ids, mask = self._left_pad([list(p) for p in distinct])
+        hits = [(0, None)] * len(prefixes) if record else [self.turns.longest(p) for p in prefixes]
         greedy = params.temperature == 0
-        with recording_routes(self.model) if record else contextlib.nullcontext() as logs:
-            gen = generate(self.model, ids, params.max_new_tokens, temperature=params.temperature or 1.0,
-                           top_p=params.top_p, greedy=greedy, generator=generator, attention_mask=mask,
-                           eos_token_id=self.stop_ids, rows=rows if len(distinct) < len(prefixes) else None)
+        sampling = dict(temperature=params.temperature or 1.0, top_p=params.top_p, greedy=greedy,
+                        generator=generator, eos_token_id=self.stop_ids)
+        if any(row is not None for _, row in hits):
+            # an agent's next turn: each row's earlier tokens are in the cache, feed what is new
+            cache, ids, mask = continued_cache(self.model, prefixes, hits, self.pad_id)
+            gen = generate(self.model, ids, params.max_new_tokens, attention_mask=mask, cache=cache, **sampling)
+        else:
+            # a group's samples share their prompt: prefill each distinct prompt once
+            distinct = {}
+            rows = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prefixes])
+            ids, mask = self._left_pad([list(p) for p in distinct])
+            with recording_routes(self.model) if record else contextlib.nullcontext() as logs:
+                gen = generate(self.model, ids, params.max_new_tokens, attention_mask=mask,
+                               rows=rows if len(distinct) < len(prefixes) else None, **sampling)
         # per MoE layer [B, T0 + tokens fed back, K]: the prefill (one row per distinct prompt,
         # given to each of its samples), then one column per decode step
         routes = None
@@ -183,4 +277,5 @@ class RolloutEngine:
             # the inputs of the trainer's forward: the prompt and every response token but the last
             r = torch.stack([x[b, T0 - len(p):T0 + n - 1] for x in routes]) if routes else None
             out.append((toks[:n], lps[:n], end is not None, r))
+        self.turns.remember(prefixes, out, gen.cache)
         return out

@@ -129,3 +129,47 @@ def test_grouped_rollouts_replay_their_routes_through_a_shared_prompt(tokenizer)
     recompute_old_logprobs(model, samples, tokenizer.token_to_id("<|pad|>"), 1.0, share_prefix=True)
     for s in samples:
         assert s.train_logprobs == pytest.approx(s.rollout_logprobs, abs=1e-4)
+
+
+def _turns(engine, first: list[list[int]], replies: list[list[int]], gen_seed: int, skip_cache: bool):
+    """Two calls as an agent makes them: the prefixes, then each prefix + its sampled tokens + a
+    tool reply (a new row too, with no history)."""
+    from rl.rollout import SamplingParams
+
+    if skip_cache:
+        engine.turns.longest = lambda p: (0, None)
+    params = SamplingParams(1.0, 1.0, 6)
+    one = engine.complete(first, params, torch.Generator().manual_seed(gen_seed))
+    nxt = [p + toks + r for p, (toks, *_), r in zip(first, one, replies)] + [[7, 8, 9]]
+    return one, engine.complete(nxt, params, torch.Generator().manual_seed(gen_seed + 1))
+
+
+def test_an_agents_next_turn_feeds_only_what_is_new_and_samples_the_same():
+    from rl.rollout import RolloutEngine
+
+    model = _model(window=6)
+    g = torch.Generator().manual_seed(5)
+    first = [torch.randint(6, 97, (n,), generator=g).tolist() for n in (9, 14, 4)]
+    replies = [[11, 12, 13], [21], [31, 32, 33, 34, 35, 36, 37]]
+    runs = []
+    for skip in (True, False):
+        engine = RolloutEngine(model, None, [5], PAD, batch_size=8)
+        fed: list[int] = []
+        real = engine.model.forward
+
+        def counting(ids, *a, **k):
+            fed.append(ids.shape[1])
+            return real(ids, *a, **k)
+
+        engine.model.forward = counting
+        runs.append((_turns(engine, first, replies, 3, skip), fed))
+    (plain, fed_plain), (cached, fed_cached) = runs
+    for a, b in zip(plain[0] + plain[1], cached[0] + cached[1]):
+        assert a[0] == b[0] and a[2] == b[2]                                  # same tokens, same stops
+        assert a[1] == pytest.approx(b[1], abs=1e-4)
+    # the second call's prefill (the forwards wider than one token are the two prefills): the whole
+    # conversation without the cache; with it, the new tokens only (the longest: a 7-token reply
+    # after its turn's last sampled token)
+    second = [len(p) + len(t) + len(r) for p, (t, *_), r in zip(first, plain[0], replies)]
+    assert [w for w in fed_plain if w > 1] == [14, max(second)]
+    assert [w for w in fed_cached if w > 1] == [14, 8]
