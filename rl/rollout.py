@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -30,15 +29,9 @@ from model.moe import recording_routes
 from quant.qat import QATConfig, prepare_qat
 from rl.ranks import SINGLE, Ranks
 from rl.sample import Sample, Status
+from rl.sampling import SamplingParams  # noqa: F401 (the engines' parameter type, importable from here)
 from rl.served import ServerPoolConfig
 from rl.vllm_server import VLLMConfig
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 64
 
 
 def prompt_ids(tokenizer, task: Task, tools: list[dict] | None = None) -> list[int]:

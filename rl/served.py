@@ -59,7 +59,7 @@ from rl.vllm_server import GUARD, EngineFailed, VLLMServerSettings, http
 from training.launch import free_port
 
 if TYPE_CHECKING:
-    from rl.rollout import SamplingParams
+    from rl.sampling import SamplingParams
 
 log = logging.getLogger("glmforge")
 REPO = Path(__file__).resolve().parents[1]

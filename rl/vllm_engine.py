@@ -43,7 +43,7 @@ from model.hf import save_dense_mla, save_pretrained
 from model.model import GLMModel
 from quant.qat import QATConfig, prepare_qat, remove_qat
 from rl.orchestrator import HashRing
-from rl.rollout import SamplingParams
+from rl.sampling import SamplingParams
 from rl.sample import Sample, Status
 from rl.vllm_server import CONTROL_TIMEOUT_S, SERVED_NAME, EngineFailed, VLLMConfig, VLLMServer, VLLMServerSettings
 
