@@ -15,6 +15,8 @@ pipeline"), each a number taken from a stage's published metrics and the check i
                            when it did not fall by more than two standard errors           > 2
     agentic_heldout_gain   rl-agentic: held-out accuracy after minus before (mean over
                            envs); passes too at a ceiling (before >= 0.95) with reward up  > 0
+    agentic_heldout_sampled  rl-agentic: held-out accuracy, k episodes per task at the
+                           rollout temperature, gain in standard errors (the least over envs) > 2
     reward_model_accuracy  reward-model: held-out pairwise accuracy after training         >= 0.7
     general_verified_gain  rl-general: verified accuracy last minus first (mean over what it
                            verifies), with every gate of the stage passed                  > 0
@@ -85,6 +87,12 @@ def _agentic_passes(v: float, m: Metrics) -> bool:
     return v > 0 or (at_ceiling and (_first_last_gain(s.get("reward")) or 0) > 0)
 
 
+def _agentic_sampled(m: Metrics) -> Optional[float]:
+    acc = (m.get("rl-agentic") or {}).get("heldout_sampled_accuracy")
+    gains = [_num(e.get("gain_in_stderr")) for e in (acc or {}).values() if isinstance(e, dict)]
+    return min(gains) if gains and None not in gains else None
+
+
 def _verified_gain(m: Metrics) -> Optional[float]:
     per = (m.get("rl-general") or {}).get("verified_accuracy")
     gains = [g for g in (_first_last_gain(v) for v in (per or {}).values()) if g is not None]
@@ -135,6 +143,8 @@ EFFECTS: tuple[Effect, ...] = (
                                                                           "gain_in_stderr"), _greedy_passes),
     Effect("agentic_heldout_gain", "rl-agentic", "held-out accuracy after minus before (mean over envs)",
            "> 0, or at its ceiling with reward rising", _agentic_gain, _agentic_passes),
+    Effect("agentic_heldout_sampled", "rl-agentic", "held-out accuracy sampled at the rollout temperature, gain in "
+           "standard errors (the least over envs)", "> 2", _agentic_sampled, lambda v, m: v > 2),
     Effect("reward_model_accuracy", "reward-model", "held-out pairwise accuracy", ">= 0.7",
            _get("reward-model", "heldout_pairwise_accuracy", "after"), lambda v, m: v >= 0.7),
     Effect("general_verified_gain", "rl-general", "verified accuracy, last tenth minus first (mean), gates "

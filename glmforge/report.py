@@ -652,15 +652,16 @@ def posttraining(run: RunData) -> str:
     rows = []
     for s, key, label in (("rl-reasoning", "heldout_accuracy", "held-out reasoning prompts, greedy"),
                           ("rl-reasoning", "heldout_sampled_accuracy", "held-out reasoning prompts, sampled"),
-                          ("rl-reasoning", "gsm8k_test_accuracy", "GSM8K test"), ("rl-agentic", "heldout_accuracy", None)):
+                          ("rl-reasoning", "gsm8k_test_accuracy", "GSM8K test"), ("rl-agentic", "heldout_accuracy", "greedy"),
+                          ("rl-agentic", "heldout_sampled_accuracy", "sampled")):
         v = run.metrics(s).get(key)
         if not isinstance(v, dict):
             mid = f"{s}.{key}"
             rows.append([td(s), td(label or "held-out tasks")]
                         + [td(None, f"{mid}.{k}") for k in ("n", "before", "after", "gain_in_stderr")])
             continue
-        groups = ([(label, v, f"{s}.{key}")] if "before" in v
-                  else [(env, e, f"{s}.{key}.{env}") for env, e in sorted(v.items())])
+        groups = ([(label, v, f"{s}.{key}")] if "before" in v      # per environment (rl-agentic):
+                  else [(f"{env}, {label}", e, f"{s}.{key}.{env}") for env, e in sorted(v.items())])
         for name, e, mid in groups:
             rows.append([td(s), td(name), td(get(e, "n"), f"{mid}.n"),
                          _acc_cell(get(e, "before"), get(e, "stderr_before"), get(e, "n"), f"{mid}.before"),

@@ -36,6 +36,7 @@ import inspect
 import json
 import logging
 import math
+import statistics
 import random
 import time
 from collections import Counter
@@ -112,6 +113,9 @@ class RLAgenticConfig(BaseModel):
     heartbeat_s: float = Field(1.0, gt=0)
     dead_after_s: float = Field(60.0, gt=0)
     heldout: int = Field(100, ge=0, description="held-out episodes per environment, greedy, before and after")
+    heldout_samples: int = Field(8, ge=0, description="episodes per held-out task at the rollout temperature, before "
+                                 "and after: the held-out expected reward, which moves where greedy accuracy sits at "
+                                 "its ceiling (0: greedy only)")
     recheck_alert: float = Field(0.25, gt=0, le=1, description="share of rewarded episodes whose environment "
                                  "re-check disagrees that raises an alert (rl.reward_audit)")
     canary_alert: float = Field(0.0, ge=0, lt=1, description="share of canary episodes (swe's canary instances) "
@@ -244,17 +248,38 @@ def read_buffer(folder: Path) -> dict[int, list[Sample]]:
 
 # ---------------------------------------------------------------- evaluation
 def evaluate(engine: RolloutEngine, tokenizer, cfg: RLAgenticConfig, tasks: list[Task], seed: int) -> dict[str, Any]:
-    """Greedy episodes of held-out tasks: accuracy (reward 1) per environment."""
+    """Per environment: greedy accuracy (reward 1) of one episode per held-out task, with its
+    binomial standard error; and with heldout_samples k, "sampled": the mean accuracy of k
+    episodes per task at the rollout temperature, its standard error over the tasks (the
+    per-task means are the independent draws). Episodes are seeded by (seed, task): the same
+    weights play the same episodes, and a resumed stage measures the same."""
     greedy = SamplingParams(0.0, 1.0, cfg.max_new_tokens)
+    sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
     by_env: dict[str, list[float]] = {}
+    sampled: dict[str, list[float]] = {}
     for i, t in enumerate(tasks):
         (s, *_) = episodes(engine, tokenizer, cfg, t, -1 - i, 1, greedy, seed)
         by_env.setdefault(t.domain, []).append(float(s.reward >= 1.0))
+        if cfg.heldout_samples:
+            eps = episodes(engine, tokenizer, cfg, t, -1 - i, cfg.heldout_samples, sampling, seed + 1)
+            sampled.setdefault(t.domain, []).append(sum(e.reward >= 1.0 for e in eps) / len(eps))
     out = {}
     for e, xs in by_env.items():
         p = sum(xs) / len(xs)
         out[e] = {"acc": p, "stderr": math.sqrt(p * (1 - p) / len(xs)), "n": len(xs)}
+        if e in sampled:
+            per = sampled[e]
+            out[e]["sampled"] = {"acc": statistics.fmean(per), "n": len(per), "samples": cfg.heldout_samples,
+                                 "stderr": statistics.stdev(per) / math.sqrt(len(per)) if len(per) > 1 else 0.0}
     return out
+
+
+def heldout_gain(before: dict[str, Any], after: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """Before and after with their standard errors, and the gain in standard errors of the difference."""
+    se = math.sqrt(before["stderr"] ** 2 + after["stderr"] ** 2)
+    return {"before": before["acc"], "after": after["acc"], "stderr_before": before["stderr"],
+            "stderr_after": after["stderr"], "n": after["n"], **extra,
+            "gain_in_stderr": (after["acc"] - before["acc"]) / se if se > 0 else None}
 
 
 # ---------------------------------------------------------------- the stage
@@ -474,8 +499,10 @@ def summary(records: list[dict[str, Any]], before: dict[str, Any], after: dict[s
     return {
         "steps": len(records),
         "reward": metrics.first_last(records, "reward"),
-        "heldout_accuracy": {e: {"before": before[e]["acc"], "after": after[e]["acc"], "n": after[e]["n"]}
-                             for e in after},
+        "heldout_accuracy": {e: heldout_gain(before[e], after[e]) for e in after},
+        "heldout_sampled_accuracy": {e: heldout_gain(before[e]["sampled"], after[e]["sampled"],
+                                                     samples=after[e]["sampled"]["samples"])
+                                     for e in after if "sampled" in after[e] and "sampled" in before[e]} or None,
         "dropped": dict(drops),
         "kept_length_mean": metrics.first_last(records, "kept_length_mean"),
         "tool_call_rate": metrics.first_last(records, "tool_call_rate"),

@@ -20,7 +20,8 @@ def _metrics(**over) -> dict:
                          "heldout_accuracy": {"before": 0.5, "after": 0.8, "gain_in_stderr": 6.0},
                          "heldout_sampled_accuracy": {"before": 0.4, "after": 0.7, "gain_in_stderr": 9.0}},
         "rl-agentic": {"reward": {"first": 0.5, "last": 0.8},
-                       "heldout_accuracy": {"calc": {"before": 0.4, "after": 0.6, "n": 100}}},
+                       "heldout_accuracy": {"calc": {"before": 0.4, "after": 0.6, "n": 100}},
+                       "heldout_sampled_accuracy": {"calc": {"before": 0.5, "after": 0.7, "gain_in_stderr": 4.0}}},
         "reward-model": {"heldout_pairwise_accuracy": {"n": 64, "before": 0.5, "after": 0.75}},
         "rl-general": {"verified_accuracy": {"arith": {"first": 0.5, "last": 0.6}, "tool": {"first": 0.3, "last": 0.3}},
                        "gates": {"rl-general": {"arithmetic_acc": {"passed": True},
@@ -58,6 +59,10 @@ def test_every_effect_of_a_good_run_is_measured_and_passes():
     ("rl-reasoning", {"reward": {"first": 0.3, "last": 0.6},
                       "heldout_accuracy": {"before": 0.5, "after": 0.55, "gain_in_stderr": 1.5},
                       "heldout_sampled_accuracy": {"gain_in_stderr": 6.0}}, "reasoning_heldout_greedy"),
+    ("rl-agentic", {"reward": {"first": 0.5, "last": 0.8},
+                    "heldout_accuracy": {"calc": {"before": 0.4, "after": 0.6}, "swe": {"before": 0.1, "after": 0.2}},
+                    "heldout_sampled_accuracy": {"calc": {"gain_in_stderr": 4.0}, "swe": {"gain_in_stderr": 1.5}}},
+     "agentic_heldout_sampled"),                       # the least over the environments counts
     ("reward-model", {"heldout_pairwise_accuracy": {"after": 0.65}}, "reward_model_accuracy"),
     ("distill", {"domain_accuracy": {"rl-reasoning": {"arithmetic_acc": {"recovered": -0.2}}}}, "distill_recovered"),
 ])
@@ -80,7 +85,8 @@ def test_rl_general_needs_its_gates_and_agentic_may_sit_at_its_ceiling():
                                        "gates": {"rl-general": {"arithmetic_acc": {"passed": True},
                                                                 "tool_call_validity": {"passed": False}}}})
     assert effects.measure(failed_gate)["general_verified_gain"]["passed"] is False
-    ceiling = {"reward": {"first": 0.5, "last": 0.7}, "heldout_accuracy": {"calc": {"before": 1.0, "after": 1.0}}}
+    ceiling = {"reward": {"first": 0.5, "last": 0.7}, "heldout_accuracy": {"calc": {"before": 1.0, "after": 1.0}},
+               "heldout_sampled_accuracy": {"calc": {"gain_in_stderr": 3.0}}}
     assert effects.measure(_metrics(rl_agentic=ceiling))["agentic_heldout_gain"]["passed"] is True
     flat = {**ceiling, "reward": {"first": 0.7, "last": 0.6}}
     assert effects.measure(_metrics(rl_agentic=flat))["agentic_heldout_gain"]["passed"] is False

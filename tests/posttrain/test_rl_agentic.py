@@ -56,6 +56,9 @@ def test_async_with_two_workers_trains_every_group_once(inputs, tmp_path):
     trained = [g for r in rec for g in r["groups"]]
     assert len(trained) == len(set(trained)) and m["groups_trained"] == len(trained)
     assert set(m["heldout_accuracy"]) == {"calc_arith"}
+    # 2 held-out tasks, 8 sampled episodes each (the default), before and after
+    hs = m["heldout_sampled_accuracy"]["calc_arith"]
+    assert hs["n"] == 2 and hs["samples"] == 8 and 0 <= hs["after"] <= 1 and hs["stderr_after"] >= 0
     assert all(int(k) <= 1 for k in m["version_lag_histogram"])      # eta = 1: at most one version behind
 
 
