@@ -703,7 +703,24 @@ def posttraining(run: RunData) -> str:
     out.append(recheck_section(run))
     out.append(swe_envs_section(run))
     out.append(rl_prompts_section(run))
+    out.append(judges_section(run))
     return section("posttraining", "Post-training", "".join(out))
+
+
+def judges_section(run: RunData) -> str:
+    """rl-general's reward sources scored against the verified outcome before training."""
+    m = run.metrics("rl-general").get("judge_accuracy")
+    m = m if isinstance(m, dict) else {}
+    per = m.get("judges") if isinstance(m.get("judges"), dict) else {}
+    rows = [[td(name), td(get(v, "pairwise"), f"rl-general.judge_accuracy.judges.{name}.pairwise"),
+             td(get(v, "pairs"), f"rl-general.judge_accuracy.judges.{name}.pairs")] for name, v in sorted(per.items())]
+    return ("<h3>rl-general's judges against the verified outcome</h3>"
+            + table(["reward source", "right above wrong", "pairs"], rows)
+            + note(f"Before training, {fmt(m.get('samples'))} replies of the policy to each of "
+                   f"{fmt(m.get('prompts'))} held-out prompts (addition, and GSM8K test questions offered the "
+                   f"calculator: a well-formed call is the verified outcome); {pct(m.get('verified_share'))} were "
+                   "verified right. Each source's share of the (right, wrong) pairs of replies to one prompt it "
+                   "orders right first, a tie counting one half: 0.5 is a judge that cannot see the difference."))
 
 
 PASS_RATE_BINS = ("0", "(0,1/4]", "(1/4,1/2]", "(1/2,3/4]", "(3/4,1)", "1")

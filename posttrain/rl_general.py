@@ -93,6 +93,10 @@ class RLGeneralConfig(BaseModel):
     orm_timeout_s: float = Field(30.0, gt=0, description="deadline per ORM chunk")
     grm_timeout_s: float = Field(60.0, gt=0, description="deadline per GRM chunk")
     judge_chunk: int = Field(32, ge=1)
+    judge_eval: int = Field(32, ge=0, description="held-out verifiable prompts (half addition, half GSM8K test "
+                            "questions offered the calculator) on which each reward source is scored against the "
+                            "verified outcome before training (judge_accuracy); 0: not measured")
+    judge_eval_samples: int = Field(4, ge=2, description="replies sampled per judge_eval prompt")
     grm_scoring: Literal["parse", "expected"] = Field(
         "parse", description="parse: the first 0-10 integer of a greedy reply of up to grm_max_new_tokens; expected: "
                              "the verdict's expectation over the first token's distribution (rl.judges.grm_judge)")
@@ -221,6 +225,69 @@ def hybrid_rewards(samples: list[Sample], tokenizer, judges: dict[str, JudgeServ
 VERIFIED = {"arithmetic": "arithmetic"}
 
 
+def verified(s: Sample, tokenizer) -> tuple[str, float] | None:
+    """(what was verified, 1.0 or 0.0) for a sample whose prompt source has a safe checker
+    (verified_accuracy's), None otherwise."""
+    src = s.task.meta.get("source")
+    if src in VERIFIED:
+        t = Task(VERIFIED[src], s.task.prompt, s.task.answer, s.task.meta)
+        return src, REWARDS[t.domain](s.text, t).score
+    if src == "tool":
+        raw = tokenizer.decode(s.response_ids, skip_special_tokens=False)
+        return "tool_call", float(valid_tool_call(raw, s.task.meta["tools"]))
+    return None
+
+
+def judge_tasks(cfg: RLGeneralConfig, seed: int) -> list[Task]:
+    """judge_eval held-out prompts: addition sums of the held-out split and GSM8K test questions
+    offered the calculator (neither is an RL prompt)."""
+    half = cfg.judge_eval // 2
+    arith = [Task("general", t.prompt, t.answer, {**t.meta, "source": "arithmetic"})
+             for t in arithmetic.tasks(cfg.judge_eval - half, "heldout", seed)]
+    tool = [Task("general", t.prompt, t.answer, {"tools": [CALCULATOR], "source": "tool"})
+            for t in gsm8k_tasks(cfg.gates.evals.gsm8k_path, 0)[:half]]
+    return arith + tool
+
+
+def pairwise_agreement(samples: list[Sample], scores: list[Optional[float]], outcome: list[float]) -> tuple[float, int]:
+    """Over the pairs of replies to one prompt where one is verified right and the other wrong, the
+    share the scores order the right one first (a tie counts one half), and the number of pairs."""
+    hits, pairs = 0.0, 0
+    by_prompt: dict[int, list[int]] = {}
+    for i, s in enumerate(samples):
+        by_prompt.setdefault(s.group, []).append(i)
+    for idx in by_prompt.values():
+        for a in idx:
+            for b in idx:
+                if outcome[a] > outcome[b] and scores[a] is not None and scores[b] is not None:
+                    pairs += 1
+                    hits += 1.0 if scores[a] > scores[b] else 0.5 if scores[a] == scores[b] else 0.0
+    return (hits / pairs if pairs else float("nan")), pairs
+
+
+def judge_accuracy(engine, tokenizer, services: dict[str, JudgeService], cfg: RLGeneralConfig, seed: int
+                   ) -> dict[str, Any]:
+    """Each reward source (the rules, the ORM, the GRM, and the combined reward) as a judge of
+    the policy's own replies on held-out verifiable prompts: how often it ranks a verified-right
+    reply above a verified-wrong one to the same prompt (module doc: what the stage can and cannot
+    see). Sampled from its own generator: the training rollouts do not change."""
+    tasks = judge_tasks(cfg, seed)
+    samples = [Sample(t, i, prompt_ids(tokenizer, t, t.meta.get("tools")))
+               for i, t in enumerate(tasks) for _ in range(cfg.judge_eval_samples)]
+    engine.generate(samples, SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens),
+                    torch.Generator().manual_seed(seed * 1_000_003 + 17))
+    _, comps, _ = hybrid_rewards(samples, tokenizer, services, cfg)
+    judged = [s for s in samples if s.status in (Status.OK, Status.TRUNCATED)]
+    outcome = [(verified(s, tokenizer) or ("", 0.0))[1] for s in judged]
+    out: dict[str, Any] = {"prompts": len(tasks), "samples": cfg.judge_eval_samples,
+                           "verified_share": sum(outcome) / max(len(outcome), 1), "judges": {}}
+    for name in [*sorted({k for c in comps for k in c}), "reward"]:
+        scores = [s.reward for s in judged] if name == "reward" else [c.get(name) for c in comps]
+        acc, pairs = pairwise_agreement(judged, scores, outcome)
+        out["judges"][name] = {"pairwise": None if pairs == 0 else acc, "pairs": pairs}
+    return out
+
+
 def verified_accuracy(samples: list[Sample], tokenizer) -> dict[str, float]:
     """Per prompt source with a checker, the share of samples that get it right: the arithmetic
     answer, and for the tool prompts at least one tool call that parses against the declared tools
@@ -228,13 +295,9 @@ def verified_accuracy(samples: list[Sample], tokenizer) -> dict[str, float]:
     that got better from one that learned to please its judges."""
     hits: dict[str, list[float]] = {}
     for s in samples:
-        src = s.task.meta.get("source")
-        if src in VERIFIED:
-            t = Task(VERIFIED[src], s.task.prompt, s.task.answer, s.task.meta)
-            hits.setdefault(src, []).append(REWARDS[t.domain](s.text, t).score)
-        elif src == "tool":
-            raw = tokenizer.decode(s.response_ids, skip_special_tokens=False)
-            hits.setdefault("tool_call", []).append(float(valid_tool_call(raw, s.task.meta["tools"])))
+        v = verified(s, tokenizer)
+        if v is not None:
+            hits.setdefault(v[0], []).append(v[1])
     return {src: sum(v) / len(v) for src, v in hits.items()}
 
 
@@ -403,9 +466,9 @@ def train(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workdir, ranks
         return rec
 
     resumed = trainer.load_latest(root, policy, log_path, "rl-general")
-    start = 0
+    start, judged = 0, None
     if resumed is not None:
-        start, before = resumed[0], resumed[1]["before"]
+        start, before, judged = resumed[0], resumed[1]["before"], resumed[1].get("judges")
     engine_root = workdir.checkpoint / ("engine" if served else f"engine-rank{ranks.rank}")
     with contextlib.ExitStack() as stack:
         engine = stack.enter_context(open_engine(cfg.rollout, model, tokenizer, stop_ids, pad_id, engine_root,
@@ -414,15 +477,20 @@ def train(cfg: RLGeneralConfig, inputs: dict[str, Path], workdir: Workdir, ranks
             judges = serve_judges(cfg, inputs, tokenizer, stop_ids, pad_id, workdir.checkpoint / "judges", ranks,
                                   stack)
         services.update({n: JudgeService(n, j, timeouts[n], cfg.judge_chunk) for n, j in judges.items()})
+        if resumed is None and cfg.judge_eval and ranks.world == 1:   # before any step: the stage's own judges
+            engine.sync(model, 0)
+            judged = judge_accuracy(engine, tokenizer, services, cfg, seed)
         trainer.run_steps("rl-general", policy, one_step, start=start, steps=cfg.steps, root=root, log_path=log_path,
                           workdir=workdir, checkpoint_every=cfg.checkpoint_every, keep_last=cfg.keep_last,
-                          meta=lambda: {"before": before}, describe=lambda r: f"reward {r['reward']:.3f}")
+                          meta=lambda: {"before": before, "judges": judged},
+                          describe=lambda r: f"reward {r['reward']:.3f}")
     model = trainer.whole_model(model, ranks)       # a collective with expert parallelism
     if not lead:
         return None
     after = trainer.measure_gates(model, tokenizer, cfg.gates, seed)
     records = metrics.read(log_path)
     result = summary(records, inputs)
+    result["judge_accuracy"] = judged
     result["trainer_ranks"] = ranks.world
     result["placement"] = {"trainer_ranks": ranks.world, "expert_parallel": cfg.parallel.expert_parallel,
                            "rollout": cfg.rollout.backend, "judges_served": served}

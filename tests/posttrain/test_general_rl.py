@@ -247,3 +247,24 @@ def test_broken_gate_fails_the_stage_with_the_table(inputs, tmp_path, monkeypatc
         run_rl_general(cfg, inputs, Workdir.at(tmp_path, seed=2), judges=_fake_judges())
     assert not (tmp_path / "out" / "consolidated.safetensors").exists()   # no model published
     assert (tmp_path / "out" / "gates.md").exists()
+
+
+def test_pairwise_agreement_counts_right_over_wrong_pairs_per_prompt():
+    from posttrain.rl_general import pairwise_agreement
+    from rl.sample import Sample
+
+    samples = [Sample(Task("general", "p", "1"), g, [1]) for g in (0, 0, 0, 1, 1)]
+    outcome = [1.0, 0.0, 0.0, 1.0, 1.0]               # prompt 1: both right, no pair
+    acc, pairs = pairwise_agreement(samples, [0.9, 0.1, 0.9, 0.2, 0.3], outcome)
+    assert pairs == 2 and acc == 0.75                  # one ordered right, one tie
+    assert pairwise_agreement(samples, [None, 0.1, 0.9, 0.2, 0.3], outcome) == (pytest.approx(float("nan"), nan_ok=True), 0)
+
+
+def test_rl_general_scores_its_judges_against_the_verified_outcome_before_training(inputs, tmp_path):
+    m = run_rl_general(_cfg(steps=1, judge_eval=4, judge_eval_samples=3), inputs, Workdir.at(tmp_path, seed=2),
+                       judges=_fake_judges())
+    j = m["judge_accuracy"]
+    assert j["prompts"] == 4 and j["samples"] == 3 and 0 <= j["verified_share"] <= 1
+    assert set(j["judges"]) == {"rule", "orm", "grm", "reward"}
+    for v in j["judges"].values():
+        assert v["pairs"] >= 0 and (v["pairwise"] is None or 0 <= v["pairwise"] <= 1)
