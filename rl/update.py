@@ -26,7 +26,7 @@ from rl.trainer import clip_and_step
 from training import metrics
 
 
-def collate(samples: list[Sample], pad_id: int, share_prefix: bool = False) -> dict[str, torch.Tensor]:
+def collate(samples: list[Sample], pad_id: int, share_prefix: bool | str = False) -> dict[str, torch.Tensor]:
     """Right-padded tensors for one forward pass over prompt + response.
 
     input_ids [B,T]; attention_mask [B,T]; targets [B,T] (the next token at each position);
@@ -39,8 +39,9 @@ def collate(samples: list[Sample], pad_id: int, share_prefix: bool = False) -> d
     share_prefix, when some samples share a prompt (a GRPO group): "prefix" holds each distinct
     prompt but its last token once (left-padded input_ids, attention_mask, its routes, and rows
     [B]: which prefix row each sample continues), and row b starts at offsets[b] = its prompt's
-    length - 1, so the trainer runs a group's prompt once instead of once per sample."""
-    prefix = _shared_prefixes(samples, pad_id) if share_prefix else None
+    length - 1, so the trainer runs a group's prompt once instead of once per sample.
+    share_prefix="always": the prompt pass even when no prompt repeats (collate_on_ranks)."""
+    prefix = _shared_prefixes(samples, pad_id, share_prefix == "always") if share_prefix else None
     offsets = [len(s.prompt_ids) - 1 if prefix is not None else 0 for s in samples]
     seqs = [(s.prompt_ids + s.response_ids)[o:] for s, o in zip(samples, offsets)]
     T = max(len(x) for x in seqs) - 1
@@ -84,12 +85,12 @@ def collate(samples: list[Sample], pad_id: int, share_prefix: bool = False) -> d
     return batch
 
 
-def _shared_prefixes(samples: list[Sample], pad_id: int) -> dict[str, Any] | None:
-    """collate's "prefix", or None when no two samples share a prompt (nothing to save) or a
-    prompt is a single token (no prefix to share)."""
+def _shared_prefixes(samples: list[Sample], pad_id: int, always: bool = False) -> dict[str, Any] | None:
+    """collate's "prefix", or None when no two samples share a prompt (nothing to save; unless
+    `always`) or a prompt is a single token (no prefix to share)."""
     first: dict[tuple[int, ...], int] = {}
     rows = [first.setdefault(tuple(s.prompt_ids), len(first)) for s in samples]
-    if len(first) == len(samples) or min(len(p) for p in first) < 2:
+    if (len(first) == len(samples) and not always) or min(len(p) for p in first) < 2:
         return None
     owner: dict[int, int] = {}                              # prefix row -> its first sample
     for b, r in enumerate(rows):
@@ -159,6 +160,17 @@ def response_logprobs(logits: torch.Tensor, batch: dict[str, torch.Tensor], temp
     return logp, ent
 
 
+def collate_on_ranks(samples: list[Sample], pad_id: int, share_prefix: bool, ranks: Ranks) -> dict[str, Any]:
+    """collate for this rank's share. With expert parallelism every rank must run the same
+    forwards (each MoE layer exchanges tokens with the others), so the prompt pass runs on every
+    rank or on none: on all when every rank's prompts can take one, repeated or not."""
+    if not share_prefix or ranks.ep is None:
+        return collate(samples, pad_id, share_prefix)
+    able = all(len(s.prompt_ids) >= 2 for s in samples)
+    every = ranks.sum([float(able)])[0] == ranks.world
+    return collate(samples, pad_id, "always" if every else False)
+
+
 def _forward_logprobs(model: GLMModel, batch: dict[str, Any], temperature: float, want_entropy: bool = False):
     cache = None
     if "prefix" in batch:
@@ -191,7 +203,7 @@ def recompute_old_logprobs(model: GLMModel, samples: list[Sample], pad_id: int, 
     try:
         for i in range(ranks.chunks(len(samples), chunk)):
             part = mine[i * chunk:(i + 1) * chunk]
-            batch = collate(part or samples[:1], pad_id, share_prefix)   # an empty share still joins the collectives
+            batch = collate_on_ranks(part or samples[:1], pad_id, share_prefix, ranks)  # an empty share joins too
             logp, ent = _forward_logprobs(model, batch, temperature, want_entropy=True)
             if not part:
                 continue
@@ -260,7 +272,7 @@ def update(model: GLMModel, optimizer, samples: list[Sample], pad_id: int,
         for k in range(0, len(train), size):
             part = [train[j] for j in order[k:k + size]]
             mine, scale = ranks.share(part)
-            batch = collate(mine, pad_id, params.share_prefix)
+            batch = collate_on_ranks(mine, pad_id, params.share_prefix, ranks)
             logp, _ = _forward_logprobs(model, batch, params.temperature)
             loss, stats = POLICY_LOSSES[params.policy_loss](logp, batch, params)
             if not mis and epoch == 0 and k == 0:

@@ -125,7 +125,7 @@ def test_code_setup_and_sandbox_limits():
     assert score(rec["code"], code_task(rec)).score == 1.0          # setup code runs before the asserts
     t = code_task(mbpp(1), timeout_s=1)
     hang = score("while True: pass", t)
-    assert hang.score == 0.0 and "timeout" in hang.reason
+    assert hang.score == 0.0 and "timeout" in hang.reason.lower()    # the run's deadline or a call's, under load
     with pytest.raises(ValueError, match="meta\\['tests'\\]"):
         REWARDS["code"]("x", Task("code", "", "", {"task_id": 7}))
     assert score_sample("x", Task("code", "", "", {"task_id": 7})).status == "error"
