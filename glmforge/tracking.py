@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import os
+import re
 import subprocess
 import tempfile
 import time
@@ -71,6 +72,15 @@ def flatten(d: dict[str, Any], prefix: str = "", sep: str = ".") -> dict[str, An
         else:
             out[name] = v
     return out
+
+
+_NOT_IN_NAMES = re.compile(r"[^\w\-. :/]")
+
+
+def mlflow_name(key: str) -> str:
+    """A metric or param name MLflow takes: at most 250 characters of letters, digits, _ - . space
+    : and /, anything else (a histogram bin's "(0,1/4]") as _."""
+    return _NOT_IN_NAMES.sub("_", key)[:250]
 
 
 def _number(v: Any) -> bool:
@@ -319,9 +329,9 @@ class MLflowTracker(Tracker):
         """In MLflow's batch limits (100 params, 1000 metrics a call; values cut to its 6000 characters)."""
         from mlflow.entities import Metric, Param
 
-        ps = [Param(k[:250], str(v)[:6000]) for k, v in (params or {}).items()]
+        ps = [Param(mlflow_name(k), str(v)[:6000]) for k, v in (params or {}).items()]
         ts = timestamp or int(time.time() * 1000)
-        ms = [Metric(k[:250], float(v), ts, int(s)) for k, v, s in (metrics or [])]
+        ms = [Metric(mlflow_name(k), float(v), ts, int(s)) for k, v, s in (metrics or [])]
         for i in range(0, len(ps), 100):
             self.client.log_batch(run, params=ps[i:i + 100])
         for i in range(0, len(ms), 1000):
