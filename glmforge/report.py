@@ -723,11 +723,10 @@ def judges_section(run: RunData) -> str:
                    "orders right first, a tie counting one half: 0.5 is a judge that cannot see the difference."))
 
 
-PASS_RATE_BINS = ("0", "(0,1/4]", "(1/4,1/2]", "(1/2,3/4]", "(3/4,1)", "1")
-
-
 def rl_prompts_section(run: RunData) -> str:
     """rl-prompts: per domain the measured prompts and their pass-rate histogram on the SFT model."""
+    from rl.prompts import PASS_RATE_BINS
+
     m = run.metrics("rl-prompts")
     doms = m.get("domains") if isinstance(m.get("domains"), dict) else {}
     rows = [[td(d), td(get(v, "prompts"), f"rl-prompts.domains.{d}.prompts"),

@@ -24,9 +24,12 @@ def draw_tasks(pools: dict[str, list[Task]], weights: dict[str, float], n: int, 
     return [rng.choices(pools[d], weights=within[d])[0] for d in picks]
 
 
+PASS_RATE_BINS = ("0", "(0,1/4]", "(1/4,1/2]", "(1/2,3/4]", "(3/4,1)", "1")
+
+
 def histogram(rates: list[float]) -> dict[str, int]:
     """Pass rates binned: "0" (never solved), "(0,1/4]" .. "(3/4,1)", "1" (always solved)."""
-    out = {"0": 0, "(0,1/4]": 0, "(1/4,1/2]": 0, "(1/2,3/4]": 0, "(3/4,1)": 0, "1": 0}
+    out = dict.fromkeys(PASS_RATE_BINS, 0)
     for p in rates:
         key = ("0" if p <= 0 else "1" if p >= 1 else "(0,1/4]" if p <= 0.25 else "(1/4,1/2]" if p <= 0.5
                else "(1/2,3/4]" if p <= 0.75 else "(3/4,1)")
