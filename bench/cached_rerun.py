@@ -43,8 +43,8 @@ def require_published(preset: str, until: str | None, home: Path) -> None:
     from glmforge.cached_run import published_chain
     from glmforge.config import load_config
     from glmforge.pipeline import STAGES, stages_until
-    from glmforge.runner import Runner
-    from glmforge.store import open_store
+    from runtime.runner import Runner
+    from runtime.store import open_store
 
     cfg = load_config(preset)
     specs = stages_until(until)

@@ -73,7 +73,7 @@ def main() -> None:
     from data_processing import dedup_exact, minhash
     from data_processing.common import DaskConfig
     from tasks.dask_dedup import run_dedup
-    from glmforge.stage import Workdir
+    from runtime.stage import Workdir
 
     from prefect import flow
 

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data_processing.tokenizer import train_tokenizer  # noqa: E402
 from domains import arithmetic  # noqa: E402
-from glmforge.stage import Workdir  # noqa: E402
+from runtime.stage import Workdir  # noqa: E402
 from model.config import tiny  # noqa: E402
 from model.hf import save_state  # noqa: E402
 from model.model import GLMModel  # noqa: E402

@@ -165,8 +165,8 @@ def main() -> None:
     import boto3
     from boto3.s3.transfer import TransferConfig
 
-    from glmforge.runner import _CheckpointMirror
-    from glmforge.store import S3Store
+    from runtime.runner import _CheckpointMirror
+    from runtime.store import S3Store
 
     transfer = S3Store.transfer_defaults()
     if args.threshold_mib is not None:

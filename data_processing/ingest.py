@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_processing.common import expand_placeholders
 from data_processing.document import Document, ShardWriter, read_shard, shard_paths
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 
 STAGE_VERSION = "1"
 
@@ -123,7 +123,7 @@ def _s3_list(uri: str, include: str) -> list[str]:
 
 def _s3_objects(uri: str, include: str) -> list[tuple[str, str]]:
     """(uri, etag) of each object under an s3:// prefix matching `include`."""
-    from glmforge.store import S3Store
+    from runtime.store import S3Store
 
     bucket, _, key = uri[5:].partition("/")
     store = S3Store(f"s3://{bucket}")
@@ -174,7 +174,7 @@ class _LocalCopy:
     def __enter__(self) -> Path:
         if not self.file.startswith("s3://"):
             return Path(self.file)
-        from glmforge.store import S3Store
+        from runtime.store import S3Store
 
         bucket, _, key = self.file[5:].partition("/")
         fd, name = tempfile.mkstemp(suffix=Path(key).suffix)

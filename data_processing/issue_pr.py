@@ -36,7 +36,7 @@ from pydantic import Field, field_validator
 
 from data_processing.common import StepConfig, content_digest, expand_path, write_jsonl
 from data_processing.document import Document, ShardWriter
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 
 _KEYWORD = r"(?:close[sd]?|fix(?:e[sd])?|resolve[sd]?)"
 _REF = (

@@ -45,7 +45,7 @@ from pydantic import Field, model_validator
 from data_processing.common import DaskConfig, StepConfig
 from data_processing.document import quality_score, read_ids_and_metadata, shard_paths
 from data_processing.filtering import Verdict, write_shard_decisions
-from glmforge.stage import OPERATIONAL, Workdir
+from runtime.stage import OPERATIONAL, Workdir
 
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 _WORD_BASE = np.uint64(0x100000001B3)  # FNV prime: odd, so invertible mod 2^64

@@ -41,7 +41,7 @@ from pydantic import Field, model_validator
 from data_processing.common import StepConfig, iter_input_documents
 from data_processing.document import Document, shard_paths
 from data_processing.tokenizer import EOS, PAD, TOKENIZER_FILE, load_tokenizer
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 
 META = "meta.json"
 

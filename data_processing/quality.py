@@ -37,7 +37,7 @@ from data_processing.common import (
 )
 from data_processing.document import Document
 from data_processing.filtering import Verdict, write_decisions
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 
 POS, NEG = "__label__hq", "__label__lq"
 SCORE_BATCH = 1000  # documents per fastText predict call

@@ -25,7 +25,7 @@ from pydantic import Field
 from data_processing.common import StepConfig, iter_input_documents
 from data_processing.document import quality_score
 from data_processing.filtering import Verdict, write_decisions
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 
 
 class SemanticConfig(StepConfig):

@@ -15,7 +15,7 @@ from typing import Iterable, Iterator
 from pydantic import Field
 
 from data_processing.common import StepConfig, iter_input_documents
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 
 SPECIAL_TOKENS: list[str] = [
     "<|endoftext|>",

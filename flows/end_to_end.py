@@ -8,9 +8,9 @@ from prefect.states import Cancelled
 
 from glmforge.config import check_preemptions, load_config, pipeline_model
 from glmforge.pipeline import STAGES, get_stage, stages_until
-from glmforge.runner import Runner, RunRecord, execute
-from glmforge import shutdown
-from glmforge.shutdown import CancelledByUser, Preempted
+from runtime.runner import Runner, RunRecord, execute
+from runtime import shutdown
+from runtime.shutdown import CancelledByUser, Preempted
 from tasks.report import publish_run_report
 from tasks.stage_task import run_in_prefect
 from tasks.store import configured_store
@@ -20,7 +20,7 @@ def _remember_prefects_sigterm() -> None:
     """Prefect's flow engine swaps in its own SIGTERM handler, which raises TerminationSignal in
     whatever frame is running; raised inside a weakref callback or a __del__, Python prints and
     drops it, and the run would carry on as if never asked to stop. Its handler, wrapped, first
-    tells glmforge.shutdown (note), so the runner stops before the next stage and the command
+    tells runtime.shutdown (note), so the runner stops before the next stage and the command
     exits 128+signal. Prefect looks its handler up by this module attribute, so the wrapper is the
     handler it installs and recognises."""
     from prefect.exceptions import TerminationSignal

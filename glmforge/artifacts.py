@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from glmforge.runner import RunRecord
-from glmforge.store import Manifest, Store, default_home, open_store
+from runtime.runner import RunRecord
+from runtime.store import Manifest, Store, default_home, open_store
 
 
 def parse_uri(ref: str) -> tuple[str, str, str] | None:

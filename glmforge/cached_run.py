@@ -2,7 +2,7 @@
 
 Starting Prefect (its import, an ephemeral server, a flow run) costs most of the ~15 s of a
 fully cached `glmforge run`. The store alone decides whether a stage would be skipped: its key
-comes from the config and the parents' manifests (glmforge.runner.stage_key), so the keys of
+comes from the config and the parents' manifests (runtime.runner.stage_key), so the keys of
 the whole chain can be computed before Prefect starts. When every one is published the run is
 recorded with every stage "cached" — the same record the flow would have written."""
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 from pydantic import BaseModel
 
 from glmforge.pipeline import STAGES
-from glmforge.runner import Runner, RunRecord, StageResult, _now
-from glmforge.stage import StageSpec
-from glmforge.store import Manifest, Store
+from runtime.runner import Runner, RunRecord, StageResult, _now
+from runtime.stage import StageSpec
+from runtime.store import Manifest, Store
 
 
 def published_chain(runner: Runner, specs: list[StageSpec]) -> list[StageResult] | None:

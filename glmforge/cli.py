@@ -12,7 +12,7 @@ import typer
 
 from glmforge.cli_model import eval_app, model_app
 from glmforge.config import ConfigError, load_config
-from glmforge.stage import resolve
+from runtime.stage import resolve
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="The GLM-5 recipe as checkpointed Prefect flows.")
 artifacts_app = typer.Typer(no_args_is_help=True, help="Inspect published artifacts.")
@@ -86,7 +86,7 @@ def _fail(msg: str, code: int = 2) -> None:
 
 
 def _store(uri: str | None):
-    from glmforge.store import open_store
+    from runtime.store import open_store
 
     try:
         return open_store(uri or os.environ.get("GLMFORGE_STORE"))
@@ -95,9 +95,9 @@ def _store(uri: str | None):
 
 
 def _stopped_anyway(what: str, result: dict) -> None:
-    """A stop signal arrived but its exception was lost on the way (glmforge.shutdown.note): the
+    """A stop signal arrived but its exception was lost on the way (runtime.shutdown.note): the
     flow returned. The run record says how far it got; the exit status still says it was stopped."""
-    from glmforge.shutdown import received
+    from runtime.shutdown import received
 
     if received():
         _print_stages(result)
@@ -108,7 +108,7 @@ def _stopped_anyway(what: str, result: dict) -> None:
 def _stopped(what: str, e: BaseException, again: str = "`glmforge resume STAGE` continues from the last "
                                                           "checkpoint") -> None:
     """A stop signal (SIGTERM, Ctrl-C) or a preempted stage: exit 128+signal, not a failure."""
-    from glmforge.shutdown import exit_code
+    from runtime.shutdown import exit_code
 
     typer.echo(f"{what} interrupted ({type(e).__name__}: {e}); {again}", err=True)
     raise typer.Exit(exit_code())
@@ -145,7 +145,7 @@ def run(
 ) -> None:
     """Run the pipeline (stages already published for this config are reused)."""
     from glmforge.pipeline import get_stage, stages_until
-    from glmforge.tracking import TrackerUnavailable, check_tracking
+    from runtime.tracking import TrackerUnavailable, check_tracking
 
     try:
         cfg = load_config(preset, config, set_)  # validated before any work (and before Prefect starts)
@@ -165,7 +165,7 @@ def run(
     # (A store whose credentials live in a Prefect Secret block needs Prefect to open it.)
     if not flow and cfg.store.credentials_block is None:
         from glmforge.cached_run import record_if_cached
-        from glmforge.store import StoreUnavailableError
+        from runtime.store import StoreUnavailableError
 
         source = {k: args[k] for k in ("preset", "config_file", "overrides", "until")}
         try:
@@ -180,7 +180,7 @@ def run(
     own_prefect_database()
     pipeline = resolve(PIPELINE_FLOW)
 
-    from glmforge.shutdown import Preempted
+    from runtime.shutdown import Preempted
 
     try:
         result = pipeline(**args)
@@ -201,7 +201,7 @@ def resume(
 ) -> None:
     """Re-run one stage of a run from its last checkpoint, reusing the artifacts upstream."""
     from glmforge.pipeline import get_stage
-    from glmforge.runner import RunRecord
+    from runtime.runner import RunRecord
 
     try:
         get_stage(stage)
@@ -214,7 +214,7 @@ def resume(
         _fail(f"no run recorded in {st.uri}; start one with `glmforge run`")
     own_prefect_database()
     stage_flow = resolve(STAGE_FLOW)
-    from glmforge.shutdown import Preempted
+    from runtime.shutdown import Preempted
 
     try:
         result = stage_flow(
@@ -239,7 +239,7 @@ def grace_period(preset: Optional[str] = PresetOpt, config: Optional[Path] = Con
                  set_: Optional[list[str]] = SetOpt) -> None:
     """Print terminationGracePeriodSeconds for the config's pods (the Kubernetes work pool's
     termination_grace_period_seconds): its largest preempt_grace_s plus the teardown margins."""
-    from glmforge.shutdown import pod_grace_seconds
+    from runtime.shutdown import pod_grace_seconds
 
     try:
         cfg = load_config(preset, config, set_)
@@ -290,7 +290,7 @@ def status(
     run_id: Optional[str] = typer.Option(None, "--run", help="run id (default: the latest run)"),
 ) -> None:
     """Stages of the latest run: key, state, metrics, artifact."""
-    from glmforge.runner import RunRecord
+    from runtime.runner import RunRecord
 
     st = _store(store)
     record = RunRecord.load(st, run_id)
@@ -314,7 +314,7 @@ def effects_cmd(
     """The recipe's effects (glmforge.effects) measured in one or more runs, each against its
     target; with several runs, their mean and std and how many runs met the target."""
     from glmforge import effects
-    from glmforge.runner import RunRecord
+    from runtime.runner import RunRecord
 
     st = _store(store)
     runs = {}
@@ -350,7 +350,7 @@ def sweep(
 
     from glmforge import effects
     from glmforge.pipeline import get_stage
-    from glmforge.runner import RunRecord
+    from runtime.runner import RunRecord
 
     try:
         seed_list = [int(s) for s in seeds.split(",") if s.strip()]
@@ -433,8 +433,8 @@ def publish(
     """Publish a run's final model: the distill stage's exports with a model card, as versions of a
     registered model in MLflow (--name) and on the Hugging Face Hub (--hf-repo)."""
     from glmforge.publish import PublishError, push_to_hub, register, write_release
-    from glmforge.runner import RunRecord
-    from glmforge.tracking import TrackingConfig, check_tracking
+    from runtime.runner import RunRecord
+    from runtime.tracking import TrackingConfig, check_tracking
 
     st = _store(store)
     record = RunRecord.load(st, run_id)
@@ -469,7 +469,7 @@ def report(
     """Write one self-contained HTML page of a run (stages, curation funnel, loss and reward
     curves, quantization, gates, lineage) from the store alone; print its path."""
     from glmforge.report import write_report
-    from glmforge.runner import RunRecord
+    from runtime.runner import RunRecord
 
     st = _store(store)
     record = RunRecord.load(st, run_id)
@@ -514,7 +514,7 @@ def artifacts_verify(
     store: Optional[str] = StoreOpt,
 ) -> None:
     """Check every file of an artifact (or of all) against its manifest digests."""
-    from glmforge.store import CorruptArtifactError
+    from runtime.store import CorruptArtifactError
 
     st = _store(store)
     manifests = [_resolve_ref(st, ref)] if ref else list(st.artifacts())
@@ -558,7 +558,7 @@ def curate(
         if not sep:
             _fail(f"--with {item!r}: expected PARENT=DIR")
         extra[parent] = path
-    from glmforge import shutdown
+    from runtime import shutdown
 
     try:
         # a stop signal also ends the step's worker processes, not only their queue
@@ -600,7 +600,7 @@ def envs_build(
         read_pairs(pairs, None)          # a malformed line is named before anything is built
     except (ConfigError, ValueError) as e:
         _fail(str(e))
-    from glmforge import shutdown
+    from runtime import shutdown
 
     t0 = time.perf_counter()
     try:
@@ -712,10 +712,10 @@ def serve(
 
 
 def main() -> None:
-    from glmforge import shutdown
+    from runtime import shutdown
 
     shutdown.install()  # SIGTERM (docker stop, a pod eviction) takes Ctrl-C's path everywhere
-    from glmforge.store import StoreUnavailableError
+    from runtime.store import StoreUnavailableError
 
     try:
         app()

@@ -104,14 +104,14 @@ def check_preemptions(preemptions: int, tasks: RetryConfig) -> None:
 def pipeline_model() -> type[BaseModel]:
     """The PipelineConfig model, built from the stage registry so each stage owns its section."""
     from glmforge.pipeline import STAGES
-    from glmforge.tracking import TrackingConfig
+    from runtime.tracking import TrackingConfig
     from model.info import PlanConfig
 
     fields: dict[str, Any] = {
         "run": (RunConfig, RunConfig()),
         "store": (StoreConfig, StoreConfig()),
         "tasks": (RetryConfig, RetryConfig()),
-        # experiment tracking (glmforge.tracking): operational, in no stage's key
+        # experiment tracking (runtime.tracking): operational, in no stage's key
         "tracking": (TrackingConfig, TrackingConfig()),
         # the cluster layout the training stages are sized for (model.info; checked to fit)
         "plan": (PlanConfig | None, None),

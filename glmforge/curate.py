@@ -27,8 +27,8 @@ import pyarrow.parquet as pq
 
 from data_processing.document import SCHEMA, read_documents, shard_paths
 from glmforge.config import ConfigError, parse_override, preset_section
-from glmforge.stage import StageSpec, Workdir
-from glmforge.store import open_store
+from runtime.stage import StageSpec, Workdir
+from runtime.store import open_store
 
 # Root steps read raw inputs named in their config rather than document shards.
 ROOT_INPUT_FIELD = {"issue-pr": "issues"}

@@ -158,7 +158,7 @@ def _check_launch(name: str, stages: list[str], launch) -> None:
 
 # ---------------------------------------------------------------- rendering
 def _variables(cfg, gpus: int | None, backend_nccl: bool) -> dict[str, Any]:
-    from glmforge.shutdown import pod_grace_seconds
+    from runtime.shutdown import pod_grace_seconds
 
     # heartbeats let the zombie automation (deployments/automations.yaml) mark a run whose pod died Crashed
     env = {"GLMFORGE_HOME": f"{SCRATCH}/glmforge", "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S)}

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from data_processing import (decontaminate, dedup_exact, ingest, issue_pr, minhash, packing, quality, semantic,
                              tokenizer)
-from glmforge.stage import StageSpec
-from glmforge.stage import upstream as stage_upstream
+from runtime.stage import StageSpec
+from runtime.stage import upstream as stage_upstream
 
 LONG = ("decontaminate", "tokenize")   # the long-context stages pack their mix from these
 # version 2 of the long-data stages: retrieval documents are packed whole (data_processing.packing.WHOLE)

@@ -19,9 +19,9 @@ from typing import Any
 
 import yaml
 
-from glmforge.runner import RunRecord
-from glmforge.store import Manifest, Store, artifact_prefix
-from glmforge.tracking import MLflowTracker, TrackingConfig, git_commit, masked
+from runtime.runner import RunRecord
+from runtime.store import Manifest, Store, artifact_prefix
+from runtime.tracking import MLflowTracker, TrackingConfig, git_commit, masked
 
 FINAL_STAGE = "distill"
 VARIANTS = {"full": "export/full", "int4": "export/int4"}

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from glmforge import pipeline
-from glmforge.runner import RunRecord
-from glmforge.store import Manifest, Store, artifact_prefix, default_home
+from runtime.runner import RunRecord
+from runtime.store import Manifest, Store, artifact_prefix, default_home
 
 NOT_RECORDED = "not recorded"
 _NR = f'<span class="nr">{NOT_RECORDED}</span>'
@@ -1043,7 +1043,7 @@ def sweep_table(sw: dict) -> str:
 
 
 def tracked_note(record: RunRecord) -> str:
-    """The tracker's run of this run (glmforge.tracking), linked; its stages are its child runs."""
+    """The tracker's run of this run (runtime.tracking), linked; its stages are its child runs."""
     t = record.tracking or {}
     if not t.get("link"):
         return ""

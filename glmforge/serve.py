@@ -26,8 +26,8 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from glmforge.gpus import CONCURRENCY_LIMIT, visible_gpus
-from glmforge.tracking import masked
+from runtime.gpus import CONCURRENCY_LIMIT, visible_gpus
+from runtime.tracking import masked
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PREFECT = str(Path(sys.executable).parent / "prefect")
@@ -191,7 +191,7 @@ class LocalPrefect:
     def stop(self) -> None:
         """Worker first, then server; each process group is waited for and SIGKILLed after
         20 s, also when its leader exited but left children (uvicorn, a flow run)."""
-        from glmforge.shutdown import descendants, process_ids, reap_orphans, shielded, stop_process_group
+        from runtime.shutdown import descendants, process_ids, reap_orphans, shielded, stop_process_group
 
         with shielded():  # a second Ctrl-C / SIGTERM must not leave the server running
             # a flow run's own children (rank launchers, sandboxes) live in sessions of their own:
@@ -214,7 +214,7 @@ def serve_forever(port: int = 4200, pool: str = "glmforge", database: str | None
                   automations: Path = AUTOMATIONS) -> None:
     """`glmforge serve`: `database` a URL (checked first), else $PREFECT_HOME/prefect.db held
     with the runs' lock (or the next free slot's file)."""
-    from glmforge.shutdown import install
+    from runtime.shutdown import install
 
     install()  # SIGTERM (docker stop, systemd) stops everything as Ctrl-C does
     import socket

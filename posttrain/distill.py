@@ -41,7 +41,7 @@ from data_processing.tokenizer import load_tokenizer
 from domains import arithmetic
 from domains.pools import gsm8k_tasks
 from domains.task import Task
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 from model.hf import artifact_weights, load_state, state_config
 from model.config import ModelConfig
 from model.model import GLMModel

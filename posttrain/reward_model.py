@@ -45,7 +45,7 @@ from chat.template import pair_text_ids
 from data_processing.tokenizer import load_tokenizer
 from domains import arithmetic
 from domains.pools import MBPP_TRAIN_IDS
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 from rl import trainer
 from rl.algorithms import PREFERENCE_LOSSES, PreferenceLossName
 from rl.orm import RewardModel, save_reward_model

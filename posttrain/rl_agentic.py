@@ -49,7 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, 
 from chat.template import STOP_TOKENS
 from data_processing.tokenizer import load_tokenizer
 from domains.task import Task
-from glmforge.stage import OPERATIONAL, Workdir
+from runtime.stage import OPERATIONAL, Workdir
 from model.model import GLMModel
 from quant.qat import QATConfig
 from rl import gates, reward_audit, trainer, weight_sync

@@ -45,7 +45,7 @@ from domains import arithmetic
 from domains.pools import gsm8k_tasks, mbpp_tasks
 from domains.task import Task
 from domains.tools import CALCULATOR
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 from model.hf import artifact_weights, load_state, state_config
 from quant.qat import QATConfig
 from rl import dynamic_sampling, gates, trainer

@@ -31,7 +31,7 @@ from chat.template import STOP_TOKENS
 from data_processing.tokenizer import load_tokenizer
 from domains.pools import DOMAINS, load_pools
 from domains.task import Task
-from glmforge.stage import OPERATIONAL, Workdir
+from runtime.stage import OPERATIONAL, Workdir
 from rl import trainer
 from rl.prompts import histogram
 from rl.rewards import RewardWorker

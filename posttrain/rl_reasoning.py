@@ -42,7 +42,7 @@ from data_processing.tokenizer import load_tokenizer
 from domains import arithmetic
 from domains.pools import DOMAINS, gsm8k_tasks, load_pools
 from domains.task import Task
-from glmforge.stage import OPERATIONAL, Workdir
+from runtime.stage import OPERATIONAL, Workdir
 from quant.qat import QATConfig
 from rl import gates, reward_audit, trainer
 from rl.algorithms import AdvantageName, PolicyLossName

@@ -62,7 +62,7 @@ from data_processing.packing import META, PackedDataset
 from data_processing.tokenizer import load_tokenizer
 from domains.gsm8k import extract_answer
 from domains.tools import format_number
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 from model.generate import generate
 from model.hf import STATE_FILE, artifact_weights, load_state, state_config
 from model.model import GLMModel

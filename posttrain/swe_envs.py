@@ -28,7 +28,7 @@ from typing import Any
 from pydantic import Field
 
 from data_processing.common import DaskConfig, StepConfig, expand_path
-from glmforge.stage import OPERATIONAL, Workdir
+from runtime.stage import OPERATIONAL, Workdir
 from rl.swe.build import BuildConfig, build_source
 from rl.swe.sources import Source
 

@@ -27,8 +27,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from glmforge import shutdown
-from glmforge.stage import Workdir, resolve
+from runtime import shutdown
+from runtime.stage import Workdir, resolve
 from training.config import LaunchConfig
 
 log = logging.getLogger("glmforge")

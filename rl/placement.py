@@ -36,7 +36,7 @@ def started_pools(section: Any) -> tuple[dict[str, Any], int]:
 
 
 def local_gpus(section: Any) -> int:
-    """GPUs an RL-side stage takes on its node (glmforge.gpus): its ranks there, and every
+    """GPUs an RL-side stage takes on its node (runtime.gpus): its ranks there, and every
     replica of the pools it starts itself (pools given as urls run elsewhere). A stage without
     `parallel` (rl-prompts: it only samples) runs in its own process, one device."""
     ranks = section.parallel.launch.nproc_per_node if hasattr(section, "parallel") else 1

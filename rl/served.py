@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from glmforge.shutdown import stop_process_group
+from runtime.shutdown import stop_process_group
 from model.config import ModelConfig
 from model.model import GLMModel
 from model.moe import MoE

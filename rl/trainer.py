@@ -21,7 +21,7 @@ worker pool) and its algorithm by name (rl.algorithms), and `step(k) -> record`.
     metrics    one record per step appended to metrics.jsonl, progress reported to the workdir;
     checkpoint every `checkpoint_every` steps and at the last (training.checkpoint.save_torch:
                atomic, verified, the last `keep_last` kept), mirrored to the store;
-    preemption SIGTERM/SIGINT (glmforge.shutdown) finish the step in flight, write a checkpoint
+    preemption SIGTERM/SIGINT (runtime.shutdown) finish the step in flight, write a checkpoint
                and raise Preempted (`glmforge run` then stops with 128+signal, the run record
                "interrupted"; `glmforge resume STAGE` continues); a second signal interrupts at once.
 """
@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from glmforge import shutdown
+from runtime import shutdown
 from model.hf import artifact_weights, load_state
 from model.model import GLMModel, indexer_parameters
 from rl import gates

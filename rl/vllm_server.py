@@ -28,7 +28,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from glmforge.shutdown import stop_process_group
+from runtime.shutdown import stop_process_group
 from training.launch import free_port
 
 log = logging.getLogger("glmforge")

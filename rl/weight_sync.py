@@ -47,7 +47,7 @@ import zstandard
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from glmforge.store.manifest import sha256_file
+from runtime.store.manifest import sha256_file
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 KEEP_VERSIONS = 2

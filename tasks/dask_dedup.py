@@ -26,7 +26,7 @@ from data_processing import sharded_dedup as sd
 from data_processing.common import DaskConfig
 from data_processing.filtering import REMOVED_DIR, count_metrics
 from data_processing.minhash import MinHashConfig
-from glmforge.stage import StageFn, Workdir
+from runtime.stage import StageFn, Workdir
 
 DaskSettings = DaskConfig  # the name this module had before the config section existed
 STEPS = ("dedup-exact", "dedup-minhash")

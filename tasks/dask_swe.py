@@ -15,7 +15,7 @@ from typing import Any
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from glmforge.stage import StageFn, Workdir
+from runtime.stage import StageFn, Workdir
 from posttrain.swe_envs import SWEEnvsConfig, build_one, check_names
 from posttrain.swe_envs import run as run_stage
 from tasks.dask_dedup import task_runner

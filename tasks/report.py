@@ -5,9 +5,9 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from glmforge.report import summary_markdown, write_report
-from glmforge.runner import RunRecord
-from glmforge.store import Store
-from glmforge.tracking import log_report
+from runtime.runner import RunRecord
+from runtime.store import Store
+from runtime.tracking import log_report
 
 
 def publish_run_report(store: Store, record: RunRecord) -> None:

@@ -19,11 +19,11 @@ from prefect.exceptions import CancelledRun, TerminationSignal
 from prefect.states import Cancelled, Completed
 
 from glmforge.config import RetryConfig
-from glmforge.gpus import CONCURRENCY_LIMIT, stage_gpus, visible_gpus
-from glmforge.runner import Runner, StageResult
-from glmforge.shutdown import CancelledByUser, Preempted
-from glmforge.stage import StageFn, StageSpec
-from glmforge.store import Manifest, artifact_prefix
+from runtime.gpus import CONCURRENCY_LIMIT, stage_gpus, visible_gpus
+from runtime.runner import Runner, StageResult
+from runtime.shutdown import CancelledByUser, Preempted
+from runtime.stage import StageFn, StageSpec
+from runtime.store import Manifest, artifact_prefix
 from tasks.progress import StageProgress
 
 
@@ -127,7 +127,7 @@ def stage_task(spec: StageSpec, settings: RetryConfig):
         retries=settings.retries,
         retry_delay_seconds=settings.retry_delay_seconds,
         retry_condition_fn=_retry_unless_preempted,
-        cache_policy=NO_CACHE,  # the artifact store is the cache (see glmforge.runner)
+        cache_policy=NO_CACHE,  # the artifact store is the cache (see runtime.runner)
         persist_result=False,
     )
     def run(runner: Runner, parents: dict[str, Manifest]):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from glmforge.config import StoreConfig
-from glmforge.store import Store, open_store
+from runtime.store import Store, open_store
 
 _ALLOWED = {"aws_access_key_id", "aws_secret_access_key", "aws_session_token", "region_name", "endpoint_url"}
 

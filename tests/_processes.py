@@ -1,10 +1,10 @@
-"""Checks on processes a test started and stopped (Linux /proc, read through glmforge.shutdown's
+"""Checks on processes a test started and stopped (Linux /proc, read through runtime.shutdown's
 helpers): still alive, still in a session, still holding a port."""
 from __future__ import annotations
 
 import socket
 
-from glmforge.shutdown import _pids, _stat
+from runtime.shutdown import _pids, _stat
 
 
 def alive(pid: int) -> bool:
@@ -38,7 +38,7 @@ def descendants_running(module: bytes) -> list[int]:
     counting the launchers and guards that carry it as an argument (training.spawn, server_guard)."""
     import os
 
-    from glmforge.shutdown import descendants
+    from runtime.shutdown import descendants
 
     found = []
     for pid in descendants(os.getpid()):

@@ -227,8 +227,8 @@ def packed(tmp_path_factory) -> dict[str, Path]:
 # pipelines. `make test-fast` (pytest -m "not slow") leaves them out for the inner loop; `make
 # test` and CI run everything.
 END_TO_END = (
-    "tests/flows/", "tests/glmforge/test_shutdown.py", "tests/glmforge/test_cli_ops.py",
-    "tests/glmforge/test_store_faults.py", "tests/training/test_expert_parallel.py", "tests/training/test_reshard.py",
+    "tests/flows/", "tests/runtime/test_shutdown.py", "tests/glmforge/test_cli_ops.py",
+    "tests/runtime/test_store_faults.py", "tests/training/test_expert_parallel.py", "tests/training/test_reshard.py",
     "tests/training/test_train.py", "tests/training/test_preemption.py", "tests/training/test_multinode.py",
     "tests/training/test_rng_restore.py", "tests/training/test_dsa_stages.py", "tests/posttrain/test_sft.py",
     "tests/posttrain/test_rl_agentic.py", "tests/posttrain/test_rl_preemption.py",

@@ -31,7 +31,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from glmforge.store.manifest import sha256_file
+from runtime.store.manifest import sha256_file
 from training import metrics
 
 log = logging.getLogger("glmforge")

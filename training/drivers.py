@@ -28,7 +28,7 @@ from typing import Any
 
 from data_processing.packing import PackedDataset
 from data_processing.tokenizer import load_tokenizer
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 from model.config import ModelConfig, preset
 from model.hf import artifact_weights, state_config
 from model.info import param_counts

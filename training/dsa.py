@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from data_processing.packing import PackedDataset
 from evals import long_context
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 from model.config import ModelConfig
 from model.hf import STATE_FILE, artifact_weights, load_state, save_state, state_config
 from model.model import GLMModel

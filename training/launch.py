@@ -5,7 +5,7 @@ spec, starts the ranks of `python -m training.launch SPEC` (one node: training.s
 torchrun on each node, or the DeepSpeed launcher; one rank on one node alone), streams the ranks' output line by line into logging (logger
 "glmforge") and to `on_line`, and turns a failure into `TrainingFailed` naming the rank, its exit
 code and the last output lines, so the caller's retry policy retries and the retry resumes from
-the checkpoint. A stop signal to the stage (SIGTERM/SIGINT, see glmforge.shutdown) is passed to
+the checkpoint. A stop signal to the stage (SIGTERM/SIGINT, see runtime.shutdown) is passed to
 the ranks, which finish the step, checkpoint and exit; `run_ranks` then raises `Preempted`.
 
 Rank side: `python -m training.launch SPEC` reads the spec and runs training.loop.train.
@@ -27,7 +27,7 @@ from collections import deque
 from pathlib import Path
 from typing import Callable
 
-from glmforge import shutdown
+from runtime import shutdown
 from training.config import LaunchConfig
 from training.rank_spec import RankSpec
 from training.spawn import MARK as SPAWN_MARK, rank_env

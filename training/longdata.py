@@ -30,7 +30,7 @@ from data_processing.document import Document
 from data_processing.packing import WHOLE, PackConfig, pack, repo_documents
 from data_processing.tokenizer import load_tokenizer
 from evals import long_context
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 from training import synthetic
 from training.config import LongDataConfig, MixConfig
 

@@ -13,7 +13,7 @@ the engine is built, gradients reduced and clipped by the loop at ZeRO 0 and by 
 MoE-aware ZeRO optimizer at ZeRO 1/2, one expert-shard file per shard in each checkpoint,
 experts gathered for the export.
 
-Preemption: SIGTERM/SIGINT set a flag (glmforge.shutdown.PreemptionGuard) that every rank
+Preemption: SIGTERM/SIGINT set a flag (runtime.shutdown.PreemptionGuard) that every rank
 reduces with the step's metrics, so all ranks agree on the step to stop after; they write a
 checkpoint (the usual format) and exit with EXIT_PREEMPTED. A second signal, or
 `preempt_grace_s` passing first, ends the rank at once; the previous checkpoint stays valid.
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from data_processing.packing import PackedDataset
-from glmforge.shutdown import EXIT_PREEMPTED, PreemptionGuard
+from runtime.shutdown import EXIT_PREEMPTED, PreemptionGuard
 from model.hf import STATE_FILE, load_state, save_pretrained, save_state
 from model.model import GLMModel, moe_layers
 from model.moe import gathered_state_dict, update_router_bias

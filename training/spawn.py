@@ -28,7 +28,7 @@ import signal
 import subprocess
 import sys
 
-from glmforge.shutdown import EXIT_PREEMPTED, die_with_parent
+from runtime.shutdown import EXIT_PREEMPTED, die_with_parent
 
 KILL_AFTER_S = 30   # torchrun's wait between SIGTERM and SIGKILL of the surviving ranks
 MARK = "training.spawn:"   # starts every line this process prints (training.launch._failure reads them)

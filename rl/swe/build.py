@@ -31,7 +31,7 @@ from typing import Any, Iterator, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from glmforge.shutdown import stop_requested
+from runtime.shutdown import stop_requested
 from rl.swe.mutate import count, mutant
 from rl.swe.python import BuildError, Python, TestRun, run_limits
 from rl.swe.sources import Source, SourceError, fetch

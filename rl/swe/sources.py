@@ -20,7 +20,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from glmforge.store.manifest import sha256_file
+from runtime.store.manifest import sha256_file
 
 # never copied from a local folder: version control, caches and build output
 SKIP = {".git", ".hg", ".svn", "__pycache__", ".pytest_cache", ".mypy_cache", ".tox", ".nox", "build", "dist",

@@ -9,7 +9,7 @@ import pytest
 
 from data_processing.common import SAMPLES_DIR
 from data_processing.document import Document, ShardWriter
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 

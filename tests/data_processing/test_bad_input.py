@@ -8,7 +8,7 @@ import pytest
 from data_processing import dedup_exact, minhash
 from data_processing.common import TextSource, read_text_source
 from data_processing.minhash import MinHashConfig, minhash_signatures
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 
 
 def bad_shard(tmp_path):

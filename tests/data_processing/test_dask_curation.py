@@ -13,7 +13,7 @@ import pytest
 from data_processing import dedup_exact, minhash
 from data_processing import sharded_dedup as sd
 from data_processing.document import Document, read_documents, read_shard, shard_paths
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 
 from .conftest import stdlib_docs, write_docs
 from .test_dedup import edit_words
@@ -130,7 +130,7 @@ def test_dask_section_is_validated_and_stays_out_of_the_stage_key():
 
     from data_processing.common import DaskConfig
     from glmforge.pipeline import BY_NAME as STEPS
-    from glmforge.runner import stage_key
+    from runtime.runner import stage_key
 
     assert DaskConfig(address="tcp://scheduler:8786", shards_per_task=4).address == "tcp://scheduler:8786"
     for bad in ({"address": "scheduler"}, {"address": "tcp://scheduler:8786", "workers": 4},
@@ -167,8 +167,8 @@ def test_pipeline_dedup_stages_on_dask_publish_the_single_process_artifacts(src,
 
     from glmforge.config import RetryConfig, load_config
     from glmforge.pipeline import STAGES, get_stage
-    from glmforge.runner import Runner
-    from glmforge.store import LocalStore
+    from runtime.runner import Runner
+    from runtime.store import LocalStore
     from tasks.stage_task import run_in_prefect
 
     base = ["dedup_exact.shard_size=10", "dedup_minhash.shard_size=9", "dedup_minhash.seed=7",

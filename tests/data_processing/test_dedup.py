@@ -10,7 +10,7 @@ import pytest
 from data_processing import dedup_exact, minhash
 from data_processing.document import Document, read_documents
 from data_processing.minhash import MinHashConfig, minhash_signatures, text_signatures
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 
 from .conftest import stdlib_docs, write_docs
 

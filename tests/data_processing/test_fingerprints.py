@@ -108,7 +108,7 @@ def test_quality_fingerprint_follows_labelled_text(tmp_path, tiny):
 
 
 def test_fingerprints_are_registered_and_join_the_stage_key(tmp_path, tiny):
-    from glmforge.runner import stage_key
+    from runtime.runner import stage_key
 
     assert STEPS["issue-pr"].fingerprint is issue_pr.fingerprint
     assert STEPS["decontaminate"].fingerprint is decontaminate.fingerprint

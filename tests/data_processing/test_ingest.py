@@ -8,7 +8,7 @@ import pytest
 
 from data_processing.document import read_documents
 from data_processing.ingest import IngestConfig, run
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 
 
 def _cfg(**src):

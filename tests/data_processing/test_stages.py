@@ -8,7 +8,7 @@ from data_processing.document import Document, read_documents
 from data_processing.packing import PackedDataset
 from glmforge.pipeline import BY_NAME as STEPS
 from glmforge.pipeline import CURATION
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 
 STAGES = [s for s in CURATION if s.name != "ingest"]
 

@@ -10,8 +10,8 @@ from data_processing import packing, tokenizer
 from data_processing.document import Document
 from data_processing.packing import PackConfig, PackedDataset, fim_transform, pack
 from data_processing.tokenizer import EOS, SPECIAL_TOKENS, TokenizeConfig, load_tokenizer
-from glmforge.stage import Workdir
-from glmforge.store import LocalStore
+from runtime.stage import Workdir
+from runtime.store import LocalStore
 
 from .conftest import gsm8k_records, stdlib_docs, write_docs
 

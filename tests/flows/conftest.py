@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from glmforge import shutdown
+from runtime import shutdown
 from tests._processes import alive, port_open, session_members
 
 REPO = Path(__file__).resolve().parents[2]
@@ -88,8 +88,8 @@ def tiny_run(tmp_path_factory, tracking_server) -> TinyRun:
     in MLflow (experiment `tiny-run`; tests/flows/test_tracking.py reads it back)."""
     from glmforge.config import load_config
     from glmforge.pipeline import STAGES
-    from glmforge.runner import Runner, RunRecord, execute
-    from glmforge.store import LocalStore
+    from runtime.runner import Runner, RunRecord, execute
+    from runtime.store import LocalStore
 
     home = tmp_path_factory.mktemp("tiny-run")
     overrides = [*FAST, *tracked(tracking_server.uri, "tiny-run")]

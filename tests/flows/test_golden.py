@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from glmforge.store import LocalStore
+from runtime.store import LocalStore
 
 GOLDEN = {
     # stage: (loss of step 1, loss of the last step)

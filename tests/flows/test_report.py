@@ -16,8 +16,8 @@ import pytest
 
 from glmforge import effects
 from glmforge.report import NOT_RECORDED, render
-from glmforge.runner import RunRecord
-from glmforge.store import LocalStore
+from runtime.runner import RunRecord
+from runtime.store import LocalStore
 
 GLMFORGE = [sys.executable, "-m", "glmforge.cli"]
 CELL = re.compile(r'<td data-metric="([^"]+)"[^>]*>(.*?)</td>', re.S)
@@ -115,7 +115,7 @@ def test_page_shows_the_numbers_of_status_json(tiny_run, report_page):
 def test_page_is_self_contained(report_page):
     page = report_page[0].read_text(encoding="utf-8")
     # links stay in the page, but for one a reader may follow (not a load): the run's MLflow run
-    # (glmforge.tracking); URLs elsewhere are text (the run's --set tracking.uri=...)
+    # (runtime.tracking); URLs elsewhere are text (the run's --set tracking.uri=...)
     links = re.findall(r'\bhref="([^"]*)"', page)
     outside = [h for h in links if not h.startswith("#")]
     assert len(outside) == 1 and re.fullmatch(r"http://127\.0\.0\.1:\d+/#/experiments/\d+/runs/[0-9a-f]+", outside[0])

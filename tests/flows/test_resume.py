@@ -89,7 +89,7 @@ def test_stage_flow_on_an_empty_store_names_the_first_missing_stage(prefect_serv
 def _seed_upstream(tiny_run, store_uri: str, stage: str = "pretrain") -> None:
     """Publish the tiny run's artifacts of every stage `stage` needs into another store, so
     the killed run starts it at once (same config: the same keys are cached)."""
-    from glmforge.store import open_store
+    from runtime.store import open_store
 
     dst = open_store(store_uri)
     src = tiny_run.home / "store"
@@ -113,7 +113,7 @@ def _orphans(home: Path) -> list[int]:
 
 
 def _artifact(store_uri: str, key: str) -> tuple[dict, bytes, list[dict]]:
-    from glmforge.store import artifact_prefix, open_store
+    from runtime.store import artifact_prefix, open_store
 
     st = open_store(store_uri)
     m = st.manifest("pretrain", key)
@@ -138,7 +138,7 @@ def test_sigkill_run_in_pretrain_then_cli_resume_is_bit_identical(where, tiny_ru
 
     proc = subprocess.Popen([*GLMFORGE, "run", "--until", "pretrain", *SET, *extra], env=env, cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    from glmforge.store import open_store
+    from runtime.store import open_store
 
     # a complete checkpoint: `latest` is written last (and, on S3, mirrored last)
     latest = f"checkpoints/pretrain/{tiny_run.work_keys['pretrain']}/latest"
@@ -155,7 +155,7 @@ def test_sigkill_run_in_pretrain_then_cli_resume_is_bit_identical(where, tiny_ru
             break
         time.sleep(0.05)
     assert seen is not None, "pretrain finished or never checkpointed before it could be killed"
-    from glmforge.runner import RunRecord
+    from runtime.runner import RunRecord
 
     live = RunRecord.load(st).public(st)         # what `glmforge status` shows while it trains
     os.killpg(proc.pid, signal.SIGKILL)
@@ -206,9 +206,9 @@ def test_transient_error_is_retried_by_prefect_and_succeeds(prefect_server, tmp_
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     from glmforge.config import RetryConfig, load_config
-    from glmforge.runner import Runner
-    from glmforge.stage import StageSpec
-    from glmforge.store import LocalStore
+    from runtime.runner import Runner
+    from runtime.stage import StageSpec
+    from runtime.store import LocalStore
     from tasks.stage_task import run_in_prefect
 
     marker = tmp_path / "failed-once"

@@ -1,4 +1,4 @@
-"""glmforge.tracking against a real MLflow server (tests/_mlflow.py): the session's tiny run is a
+"""runtime.tracking against a real MLflow server (tests/_mlflow.py): the session's tiny run is a
 parent run with a child run per stage; a cached stage links the run that produced it; a tracker
 that goes away mid-run costs a warning per stage, never the run; one that never answers is
 refused before anything starts."""
@@ -33,9 +33,9 @@ def _children(client, experiment: str, run_id: str) -> tuple[str, dict]:
 
 def test_every_stage_of_the_tiny_run_is_a_child_run_with_its_config_key_and_step_metrics(tiny_run, tracking_server):
     from glmforge.report import write_report
-    from glmforge.runner import RunRecord
-    from glmforge.store import LocalStore
-    from glmforge.tracking import log_report
+    from runtime.runner import RunRecord
+    from runtime.store import LocalStore
+    from runtime.tracking import log_report
 
     client = _client(tracking_server.uri)
     parent, kids = _children(client, "tiny-run", tiny_run.run_id)
@@ -77,8 +77,8 @@ def test_every_stage_of_the_tiny_run_is_a_child_run_with_its_config_key_and_step
 
 def test_a_cached_stage_links_the_run_that_produced_its_artifact(tiny_run, tracking_server):
     from glmforge.config import load_config
-    from glmforge.runner import Runner, RunRecord, execute
-    from glmforge.store import LocalStore
+    from runtime.runner import Runner, RunRecord, execute
+    from runtime.store import LocalStore
 
     cfg = load_config("tiny", None, [*FAST, *tracked(tracking_server.uri, "tiny-run")])
     specs = [s for s in STAGES if s.name in ("ingest", "quality")]
@@ -100,8 +100,8 @@ def test_a_tracker_that_stops_mid_run_costs_a_warning_per_stage_not_the_run(tmp_
     """The MLflow server killed after the first stage: the run completes, each later stage says
     once that it was not logged."""
     from glmforge.config import load_config
-    from glmforge.runner import Runner, RunRecord, execute
-    from glmforge.store import LocalStore
+    from runtime.runner import Runner, RunRecord, execute
+    from runtime.store import LocalStore
     from tests._mlflow import mlflow_server
 
     specs = [s for s in STAGES if s.name in ("ingest", "quality", "dedup-exact")]

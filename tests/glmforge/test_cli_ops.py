@@ -60,8 +60,8 @@ def test_record_if_cached_needs_every_stage(tmp_path, monkeypatch):
     from glmforge.cached_run import record_if_cached
     from glmforge.config import load_config
     from glmforge.pipeline import STAGES, stages_until
-    from glmforge.runner import Runner, RunRecord, execute
-    from glmforge.store import LocalStore
+    from runtime.runner import Runner, RunRecord, execute
+    from runtime.store import LocalStore
 
     monkeypatch.setenv("GLMFORGE_HOME", str(tmp_path / "home"))
     cfg = load_config(None, _config(tmp_path))
@@ -167,8 +167,8 @@ def test_a_second_run_on_one_home_logs_its_wait_on_a_prefect_database_of_its_own
     from glmforge.serve import claim_prefect_database
     from glmforge.config import load_config
     from glmforge.pipeline import STAGES, get_stage
-    from glmforge.runner import Runner
-    from glmforge.store import Lease, LocalStore
+    from runtime.runner import Runner
+    from runtime.store import Lease, LocalStore
 
     config = _config(tmp_path)
     home, prefect_home = tmp_path / "home", tmp_path / "prefect"

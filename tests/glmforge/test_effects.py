@@ -129,8 +129,8 @@ def _fake_runs(store_uri: str, outcomes: dict[int, str]):
     """A stand-in for the sweep's `glmforge run` subprocess: records a run of the seed in the
     store whose rl-general ends as `outcomes[seed]` ("done", "failed" or "interrupted") and
     returns the exit status such a run has."""
-    from glmforge.runner import RunRecord
-    from glmforge.store import open_store
+    from runtime.runner import RunRecord
+    from runtime.store import open_store
 
     def call(argv):
         seed = int(next(a for a in argv if a.startswith("run.seed=")).split("=")[1])

@@ -9,8 +9,8 @@ import sys
 
 from glmforge.config import load_config
 from glmforge.pipeline import STAGES, stages_until
-from glmforge.runner import Runner, RunRecord, execute
-from glmforge.store import LocalStore
+from runtime.runner import Runner, RunRecord, execute
+from runtime.store import LocalStore
 
 PROBE = """
 import json, sys, time

@@ -54,7 +54,7 @@ def test_export_then_perplexity(tmp_path, quiet_transformers):
 
 
 def test_resolve_model_dir(tmp_path, monkeypatch):
-    from glmforge.store import LocalStore
+    from runtime.store import LocalStore
 
     assert resolve_model_dir(tmp_path) == tmp_path
     monkeypatch.setenv("GLMFORGE_HOME", str(tmp_path / "home"))

@@ -11,7 +11,7 @@ import torch
 from chat.template import STOP_TOKENS
 from domains import arithmetic
 from domains.task import Task
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 from posttrain.distill import (
     DistillConfig,
     check_teacher,

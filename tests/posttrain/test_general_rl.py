@@ -11,7 +11,7 @@ import torch
 
 from chat.template import pair_text_ids
 from domains.task import Task
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 from rl import gates
 from rl.orm import RewardModel, load_reward_model
 from posttrain.reward_model import RewardModelConfig, mutate_code, pairwise_accuracy, run_reward_model

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 from model.hf import save_state
 from posttrain.rl_agentic import RLAgenticConfig, run_rl_agentic
 from tests.rl.conftest import small_model
@@ -89,8 +89,8 @@ def test_sigterm_stops_the_stage_and_leaves_no_rollout_worker(inputs, tmp_path):
     script = f"""
 import sys
 from pathlib import Path
-from glmforge import shutdown
-from glmforge.stage import Workdir
+from runtime import shutdown
+from runtime.stage import Workdir
 from posttrain.rl_agentic import RLAgenticConfig, run_rl_agentic
 shutdown.install()
 cfg = RLAgenticConfig(steps=1000, prompts_per_step=2, group_size=3, max_new_tokens=6, max_turns=2, heldout=1,

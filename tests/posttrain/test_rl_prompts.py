@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from domains import arithmetic
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 from posttrain.rl_prompts import POOL, RLPromptsConfig, measure, run
 from posttrain.rl_reasoning import run_rl_reasoning
 from rl.prompts import PromptPoolConfig, draw_tasks, group_size, histogram, pool_tasks

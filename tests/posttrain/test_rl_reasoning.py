@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from domains.task import Task
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 from model.hf import save_state
 from posttrain.rl_reasoning import RLReasoningConfig, draw_tasks, run_rl_reasoning
 from tests.rl.conftest import small_model

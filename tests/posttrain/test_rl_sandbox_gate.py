@@ -8,8 +8,8 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from glmforge.runner import key_config
-from glmforge.stage import Workdir
+from runtime.runner import key_config
+from runtime.stage import Workdir
 from posttrain import rl_agentic, rl_reasoning
 from posttrain.rl_agentic import SANDBOXED_ENVIRONMENTS, RLAgenticConfig, run_rl_agentic
 from posttrain.rl_reasoning import RLReasoningConfig, run_rl_reasoning

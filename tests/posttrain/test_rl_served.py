@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from glmforge import shutdown
-from glmforge.stage import Workdir
+from runtime import shutdown
+from runtime.stage import Workdir
 from posttrain.rl_reasoning import run_rl_reasoning
 from tests._processes import descendants_running
 from tests.posttrain.test_rl_reasoning import _cfg, inputs  # noqa: F401 (fixture)

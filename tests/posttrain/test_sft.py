@@ -24,7 +24,7 @@ from domains.tools import (
     format_number,
     stdlib_functions,
 )
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 from model.config import preset, tiny
 from model.hf import load_state, save_state
 from model.model import GLMModel

@@ -18,7 +18,7 @@ import pytest
 from chat.template import ToolCall
 from domains.task import Task
 from posttrain.swe_envs import SWEEnvsConfig, build_all, run, summary
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 from rl.envs import tasks_for
 from rl.envs.swe import SWE, load, reference_fix, verdict
 from rl.swe.build import apply_hunk, hunk
@@ -244,7 +244,7 @@ def test_rl_agentic_trains_on_the_instances_and_resumes_after_kill_9(tmp_path):
     script = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(REPO)!r})
         from pathlib import Path
-        from glmforge.stage import Workdir
+        from runtime.stage import Workdir
         from posttrain.rl_agentic import RLAgenticConfig, run_rl_agentic
         cfg = RLAgenticConfig.model_validate_json({cfg.model_copy(update={"steps": 50}).model_dump_json()!r})
         inputs = {{k: Path(v) for k, v in {json.dumps({k: str(v) for k, v in inputs.items()})}.items()}}
@@ -409,7 +409,7 @@ def test_sources_built_as_prefect_tasks_on_dask_give_the_threaded_build(tmp_path
     """swe_envs.dask (2 local workers): one Prefect task per source, the same instances and
     reports as threads; the entry stays out of the stage key."""
     from glmforge.pipeline import get_stage
-    from glmforge.runner import stage_key
+    from runtime.runner import stage_key
     from tasks.stage_task import engine
 
     sources = [{**SOURCE, "name": "a"}, {**SOURCE, "name": "b"}]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 from posttrain.reward_model import RewardModelConfig
 from posttrain.rl_reasoning import run_rl_reasoning
 from rl.algorithms import (

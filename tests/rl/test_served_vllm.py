@@ -122,7 +122,7 @@ def test_vllm_pool_syncs_deltas_proves_the_version_and_survives_a_kill(tmp_path)
 def test_rl_reasoning_on_two_expert_parallel_ranks_with_a_vllm_pool(tmp_path):
     """The glm5 placement in miniature: 2 trainer ranks with the experts sharded over them, the
     rollouts and evaluations from a vLLM replica that loads each rank's published shards."""
-    from glmforge.stage import Workdir
+    from runtime.stage import Workdir
     from posttrain.rl_reasoning import RLReasoningConfig, run_rl_reasoning
     from tests.rl.test_vllm_backend import STAGE_CFG, _servers_of, _stage_inputs
 

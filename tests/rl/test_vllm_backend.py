@@ -216,7 +216,7 @@ def _group_alive(pgid: int) -> bool:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
-    from glmforge.shutdown import _group_alive as alive
+    from runtime.shutdown import _group_alive as alive
     return alive(pgid)
 
 
@@ -308,7 +308,7 @@ def _servers_of(workdir: Path) -> list[int]:
 
 @pytest.mark.vllm
 def test_rl_reasoning_on_vllm_then_kill_9_leaves_no_server(tmp_path):
-    from glmforge.stage import Workdir
+    from runtime.stage import Workdir
     from posttrain.rl_reasoning import RLReasoningConfig, run_rl_reasoning
     inputs = _stage_inputs(tmp_path / "in")
     vllm = _vllm_cfg().model_copy(update={"max_model_len": 512})      # GSM8K test prompts: ~280 tokens
@@ -323,7 +323,7 @@ def test_rl_reasoning_on_vllm_then_kill_9_leaves_no_server(tmp_path):
     script = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(REPO)!r})
         from pathlib import Path
-        from glmforge.stage import Workdir
+        from runtime.stage import Workdir
         from posttrain.rl_reasoning import RLReasoningConfig, run_rl_reasoning
         cfg = RLReasoningConfig.model_validate_json({cfg.model_copy(update={"steps": 50}).model_dump_json()!r})
         run_rl_reasoning(cfg, {{k: Path(v) for k, v in {json.dumps({k: str(v) for k, v in inputs.items()})}.items()}},
@@ -351,7 +351,7 @@ def test_rl_reasoning_on_vllm_then_kill_9_leaves_no_server(tmp_path):
 def test_rl_agentic_workers_roll_out_on_the_stages_vllm_server(tmp_path):
     """The asynchronous stage on vLLM: the worker process sends its turns to the stage's server, the
     versions on the trained tokens are the server's, each sync a weight update on the server."""
-    from glmforge.stage import Workdir
+    from runtime.stage import Workdir
     from posttrain.rl_agentic import RLAgenticConfig, run_rl_agentic
     inputs = _stage_inputs(tmp_path / "in")
     inputs["rl-reasoning"] = inputs.pop("sft")

@@ -48,7 +48,7 @@ def test_deepspeed_config_per_combination():
 
 
 def test_expert_parallel_is_checked_when_the_config_is_read():
-    from glmforge.runner import key_config
+    from runtime.runner import key_config
 
     four = {"nproc_per_node": 4}
     cfg = PretrainConfig(expert_parallel=2, launch=four)                 # tiny: 8 experts, 4 ranks

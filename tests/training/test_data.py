@@ -98,7 +98,7 @@ def test_real_packed_shards(packed):
 
 
 def test_store_backed_shards_give_the_same_batches(packed):
-    from glmforge.store import LocalStore
+    from runtime.store import LocalStore
 
     local = PackedDataset(packed["pack"], "train")
     remote = PackedDataset((LocalStore(packed["pack"].parent), "pack"), "train")   # byte-range reads

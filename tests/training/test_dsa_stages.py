@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 from data_processing.document import ShardWriter
 from data_processing.tokenizer import EOS, TOKENIZER_FILE
 from evals import long_context
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 from model.config import preset
 from model.hf import load_state, save_state
 from model.model import GLMModel

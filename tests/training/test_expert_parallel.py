@@ -87,7 +87,7 @@ def test_two_expert_parallel_groups_on_4_ranks_train_alike(replicated, packed, t
     expert-data-parallel group {0,2} or {1,3}; the same global batch as 2 ranks x 4 sequences, here
     4 ranks x 2 micro-batches of 1 (gradients accumulated before the reduction). 5 held-out
     sequences: rank 0 scores 2, rank 1 one, and makes an unscored forward to keep in step."""
-    from glmforge.stage import Workdir
+    from runtime.stage import Workdir
 
     wd = Workdir.at(tmp_path, seed=7)
     result = run_pretrain(config(4, 1, 2, grad_clip=CLIP, expert_parallel=2, checkpoint_every=STEPS,
@@ -134,7 +134,7 @@ def test_zero1_expert_parallel_2_trains_like_expert_parallel_1(zero2_replicated,
 def test_zero2_two_expert_parallel_groups_on_4_ranks_train_alike(zero2_replicated, packed, tmp_path):
     """4 ranks, expert_parallel 2 at ZeRO 2: each shard's optimizer state partitioned over its
     expert-data-parallel group {0,2} or {1,3}, its gradient reduce-scattered there."""
-    from glmforge.stage import Workdir
+    from runtime.stage import Workdir
 
     wd = Workdir.at(tmp_path, seed=7)
     wd.persist_checkpoint = lambda: None

@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from glmforge import shutdown
-from glmforge.stage import Workdir
+from runtime import shutdown
+from runtime.stage import Workdir
 from tests.training.conftest import MODEL_OVERRIDES
 from training import checkpoint, metrics
 from training.config import PretrainConfig
@@ -36,8 +36,8 @@ CONFIG = dict(model_overrides=MODEL_OVERRIDES, micro_batch_size=4, max_steps=STE
 STAGE = textwrap.dedent("""
     import json, sys
     from pathlib import Path
-    from glmforge import shutdown
-    from glmforge.stage import Workdir
+    from runtime import shutdown
+    from runtime.stage import Workdir
     from training.config import PretrainConfig
     from training.drivers import run_pretrain
     shutdown.install()

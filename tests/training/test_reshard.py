@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 from tests.training.conftest import MODEL_OVERRIDES
 from training import checkpoint, metrics
 from training.config import PretrainConfig

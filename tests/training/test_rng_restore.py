@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 from tests.training.conftest import MODEL_OVERRIDES, SEQ_LEN
 from training import checkpoint, metrics
 from training.config import PretrainConfig

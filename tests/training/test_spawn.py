@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from glmforge.shutdown import EXIT_PREEMPTED
+from runtime.shutdown import EXIT_PREEMPTED
 from training.launch import REPO, _failure
 
 # A stand-in rank: writes its environment, then does what BEHAVIOUR says for its RANK.

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from glmforge.stage import Workdir
+from runtime.stage import Workdir
 from tests.training.conftest import MODEL_OVERRIDES, stdlib_docs
 from training import checkpoint, metrics
 from training.config import PretrainConfig

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from glmforge.store.base import Store
+from runtime.store.base import Store
 
 log = logging.getLogger("glmforge")
 

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from glmforge.stage import resolve
+from runtime.stage import resolve
 
 log = logging.getLogger("glmforge")
 

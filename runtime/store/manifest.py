@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from glmforge.store.errors import CorruptArtifactError
+from runtime.store.errors import CorruptArtifactError
 
 MANIFEST = "MANIFEST.json"
 MANIFEST_FORMAT = 1

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from glmforge.store import CorruptArtifactError, LocalStore, S3Store, artifact_prefix
+from runtime.store import CorruptArtifactError, LocalStore, S3Store, artifact_prefix
 
 
 @pytest.fixture(params=["local", "s3"])

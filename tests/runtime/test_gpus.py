@@ -1,4 +1,4 @@
-"""glmforge.gpus: the GPUs a stage takes on its node, held with lock files so two stages never
+"""runtime.gpus: the GPUs a stage takes on its node, held with lock files so two stages never
 share one; tasks.stage_task.gpu_slots: the cluster-wide count in Prefect's concurrency limit."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from glmforge.config import load_config
-from glmforge.gpus import GpuShortage, claim_gpus, stage_gpus, visible_gpus
+from runtime.gpus import GpuShortage, claim_gpus, stage_gpus, visible_gpus
 from glmforge.pipeline import STAGES
 from tests.conftest import REPO
 
@@ -49,7 +49,7 @@ def test_a_stage_takes_its_ranks_and_the_servers_it_starts():
 
 HOLDER = """
 import sys, time
-from glmforge.gpus import claim_gpus
+from runtime.gpus import claim_gpus
 with claim_gpus("pretrain", 2, ["0", "1", "2"], lock_dir=__import__("pathlib").Path(sys.argv[1])) as got:
     import os
     print(os.environ["CUDA_VISIBLE_DEVICES"], flush=True)
@@ -99,7 +99,7 @@ def test_gpu_slots_keep_two_flows_off_the_same_gpus(prefect_server):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 
-    from glmforge.gpus import CONCURRENCY_LIMIT
+    from runtime.gpus import CONCURRENCY_LIMIT
     from tasks.stage_task import gpu_slots
 
     with get_client(sync_client=True) as client:

@@ -16,11 +16,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from glmforge.store.base import Store
-from glmforge.store.errors import CorruptArtifactError, StoreUnavailableError
-from glmforge.store.lease import Lease, LeaseTimeout
-from glmforge.store.local import LocalStore
-from glmforge.store.manifest import (
+from runtime.store.base import Store
+from runtime.store.errors import CorruptArtifactError, StoreUnavailableError
+from runtime.store.lease import Lease, LeaseTimeout
+from runtime.store.local import LocalStore
+from runtime.store.manifest import (
     MANIFEST,
     MANIFEST_FORMAT,
     FileEntry,
@@ -28,7 +28,7 @@ from glmforge.store.manifest import (
     artifact_prefix,
     sha256_file,
 )
-from glmforge.store.s3 import S3Store
+from runtime.store.s3 import S3Store
 
 __all__ = [
     "MANIFEST", "MANIFEST_FORMAT", "CorruptArtifactError", "FileEntry", "Lease", "LeaseTimeout", "LocalStore",

@@ -1,4 +1,4 @@
-"""glmforge.shutdown and its users: SIGTERM handled like Ctrl-C, child process groups stopped
+"""runtime.shutdown and its users: SIGTERM handled like Ctrl-C, child process groups stopped
 with a SIGKILL fallback, the preemption guard (flag, second signal, grace period), run records
 that always end completed/failed/interrupted and never show a dead run as running, and SIGTERM
 to the real commands (run, curate; serve in tests/flows/conftest.py) leaving no process behind."""
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from glmforge import shutdown
+from runtime import shutdown
 from glmforge.config import load_config
 from glmforge.pipeline import STAGES, get_stage
-from glmforge.runner import Heartbeat, Runner, RunRecord, execute
-from glmforge.store import open_store
+from runtime.runner import Heartbeat, Runner, RunRecord, execute
+from runtime.store import open_store
 from tests._processes import alive as _alive
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,7 +50,7 @@ def _wait_line(proc: subprocess.Popen, text: str, timeout: float = 60) -> str:
 def test_sigterm_raises_keyboard_interrupt_and_deferred_waits_for_a_safe_point():
     proc = _py("""
         import time
-        from glmforge import shutdown
+        from runtime import shutdown
         shutdown.install()
         try:
             with shutdown.deferred() as stop_requested:
@@ -74,7 +74,7 @@ def test_sigterm_raises_keyboard_interrupt_and_deferred_waits_for_a_safe_point()
 # ---------------------------------------------------------------- the preemption guard (training ranks)
 GUARD = """
     import os, sys, time
-    from glmforge import shutdown
+    from runtime import shutdown
     guard = shutdown.PreemptionGuard({grace}).install()
     r, w = os.pipe()
     print("ready", flush=True)

@@ -11,7 +11,7 @@ import boto3.s3.transfer
 import pytest
 
 from glmforge.config import ConfigError, S3TransferConfig, StoreConfig, load_config
-from glmforge.store import LocalStore, S3Store, StoreUnavailableError
+from runtime.store import LocalStore, S3Store, StoreUnavailableError
 from tasks.store import configured_store
 from tests.conftest import free_port
 

@@ -3,7 +3,7 @@
 Plain Python: tasks/ and flows/ wrap these calls in Prefect, tests call them directly.
 
 A stage's key is sha256(stage name, stage version, its resolved config section (less its
-operational fields: worker counts, cluster addresses; see glmforge.stage.OPERATIONAL), the run seed
+operational fields: worker counts, cluster addresses; see runtime.stage.OPERATIONAL), the run seed
 where the stage reads it, the content digests of its parent artifacts, the fingerprint of the
 non-artifact files it reads, and the digest of its code). The store is the cache: when an
 artifact with that key is published, the stage is skipped and the artifact reused — in a new
@@ -41,19 +41,19 @@ from typing import Any, Callable, Sequence
 
 from pydantic import BaseModel
 
-from glmforge.gpus import claim_gpus, stage_gpus
-from glmforge.tracking import open_tracker
-from glmforge.shutdown import Preempted, stop_requested
-from glmforge.stage import ProgressFn, StageFn, StageSpec, Workdir, upstream
-from glmforge.store import Lease, Manifest, Store, default_home
-from glmforge.store.lease import pid_alive
+from runtime.gpus import claim_gpus, stage_gpus
+from runtime.tracking import open_tracker
+from runtime.shutdown import Preempted, stop_requested
+from runtime.stage import ProgressFn, StageFn, StageSpec, Workdir, upstream
+from runtime.store import Lease, Manifest, Store, default_home
+from runtime.store.lease import pid_alive
 
 log = logging.getLogger("glmforge")
 
 
 def key_config(section: BaseModel) -> dict[str, Any]:
     """The config section as it enters the key: every field but the operational ones
-    (glmforge.stage.OPERATIONAL: worker counts, cluster addresses), which change how a stage
+    (runtime.stage.OPERATIONAL: worker counts, cluster addresses), which change how a stage
     runs and never its output."""
     skip = {name for name, f in type(section).model_fields.items()
             if isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get("operational")}
@@ -301,7 +301,7 @@ class RunRecord:
     pid: int | None = None
     host: str | None = None
     home: str | None = None         # the run's GLMFORGE_HOME: where its stages' checkpoints are
-    tracking: dict[str, Any] | None = None  # the tracker's parent run (glmforge.tracking): uri, run_id, link
+    tracking: dict[str, Any] | None = None  # the tracker's parent run (runtime.tracking): uri, run_id, link
 
     @classmethod
     def new(cls, cfg: BaseModel, source: dict[str, Any], stage_names: list[str]) -> "RunRecord":
@@ -495,7 +495,7 @@ def execute(
                     record.stage(spec.name).update(started=_now(), seconds=None)
                 try:
                     if stop_requested():
-                        # a stop signal whose exception was lost (glmforge.shutdown.note): no new stage
+                        # a stop signal whose exception was lost (runtime.shutdown.note): no new stage
                         raise KeyboardInterrupt(f"stopped by a signal before {spec.name}")
                     if set(spec.parents) <= set(results):
                         parents = {p: results[p].manifest for p in spec.parents}

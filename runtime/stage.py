@@ -15,7 +15,7 @@ A stage is a plain function in library code:
 - `workdir.progress(done, total, desc)` reports progress on long loops (tasks/ turns it into a
   Prefect progress artifact and a console bar; in unit tests it does nothing).
 
-The runner (glmforge.runner) computes the stage key, skips stages whose artifact exists, and
+The runner (runtime.runner) computes the stage key, skips stages whose artifact exists, and
 publishes. Library code never imports Prefect.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ ProgressFn = Callable[[int, int, str], None]
 
 # Marks a config field that changes how a stage runs but never what it writes (worker counts, a
 # cluster address): `Field(..., json_schema_extra=OPERATIONAL)`. The runner leaves such fields
-# out of the stage key (glmforge.runner.key_config), so the same artifact is reused whichever
+# out of the stage key (runtime.runner.key_config), so the same artifact is reused whichever
 # way it was produced; the manifest and run record still show them.
 OPERATIONAL: dict[str, Any] = {"operational": True}
 
@@ -103,7 +103,7 @@ class StageSpec:
     # stages take their seeds from their own sections, so run.seed stays out of their keys and
     # their workdir.seed is None.
     seeded: bool = True
-    # GPUs the stage takes on its node (glmforge.gpus): None counts its ranks
+    # GPUs the stage takes on its node (runtime.gpus): None counts its ranks
     # (launch.nproc_per_node); stages that start servers name a function of their section.
     gpus: Callable[[Any], int] | str | None = None
 

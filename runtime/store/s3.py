@@ -1,7 +1,7 @@
 """S3Store: the store at s3://bucket/prefix, through boto3.
 
 boto3 and botocore are imported inside the methods that use them (first when an S3Store is
-made), so importing this module, or glmforge.store, needs neither.
+made), so importing this module, or runtime.store, needs neither.
 """
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from glmforge.store.base import Store
-from glmforge.store.errors import StoreUnavailableError
+from runtime.store.base import Store
+from runtime.store.errors import StoreUnavailableError
 
 
 class S3Store(Store):

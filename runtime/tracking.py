@@ -1,7 +1,7 @@
 """Experiment tracking: a pipeline run as a parent run of the tracker, each stage a child run.
 
 `tracking:` in the config picks the backend (`none`, the default, or `mlflow` with its URI).
-`execute` (glmforge.runner) calls the tracker at three points: the run starts (`begin`), a stage
+`execute` (runtime.runner) calls the tracker at three points: the run starts (`begin`), a stage
 ends (`stage`: done, cached or failed), the run ends (`end`). What a stage's child run holds is
 read from its published artifact, so a stage run on another machine (a Prefect worker, a
 cluster rank) is logged the same way:
@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from glmforge.store.manifest import artifact_prefix
+from runtime.store.manifest import artifact_prefix
 
 log = logging.getLogger("glmforge")
 REPO = Path(__file__).resolve().parent.parent
@@ -266,7 +266,7 @@ class MLflowTracker(Tracker):
     def _fill(self, run: str, spec: Any, result: Any, runner: Any, seconds: float | None) -> None:
         m = result.manifest
         if result.state == "cached":
-            produced = self._find(f"tags.`glmforge.stage` = '{spec.name}' and tags.`glmforge.key` = '{result.key}' "
+            produced = self._find(f"tags.`runtime.stage` = '{spec.name}' and tags.`glmforge.key` = '{result.key}' "
                                   "and tags.`glmforge.state` = 'done'")
             self.client.set_tag(run, "glmforge.produced_by", produced or "unknown (not tracked)")
             self.client.set_terminated(run, "FINISHED")

@@ -9,8 +9,8 @@ import pytest
 
 from glmforge.config import load_config
 from glmforge.pipeline import STAGE_NAMES, STAGES, get_stage
-from glmforge.runner import Runner, RunRecord, code_digest, execute, stage_key
-from glmforge.store import LocalStore, Manifest
+from runtime.runner import Runner, RunRecord, code_digest, execute, stage_key
+from runtime.store import LocalStore, Manifest
 
 
 @pytest.fixture
@@ -92,7 +92,7 @@ def test_key_depends_on_parent_digest(jsonl):
     cfg = _cfg(jsonl)
     m1 = Manifest("ingest", "a", "data-1", files=[])
     m2 = Manifest("ingest", "b", "data-2", files=[])  # same (empty) content, other key and nonce
-    m3 = Manifest("ingest", "a", "data-1", files=[__import__("glmforge.store").store.FileEntry("x", 1, "00")])
+    m3 = Manifest("ingest", "a", "data-1", files=[__import__("runtime.store").store.FileEntry("x", 1, "00")])
     key = lambda m: stage_key(child, cfg.ingest, 0, {"ingest": m})
     assert key(m1) == key(m2) != key(m3)
 
@@ -157,7 +157,7 @@ def test_published_upstream_names_missing_parent(tmp_path, jsonl):
 def test_remote_store_mirrors_checkpoint_and_resumes_elsewhere(tmp_path, jsonl, s3_env, monkeypatch):
     """With S3, a stage's checkpoint is mirrored to the store: a retry on another machine (a new
     home directory) restores it and continues instead of starting over."""
-    from glmforge.store import S3Store
+    from runtime.store import S3Store
     import data_processing.ingest as ingest
 
     cfg = _cfg(jsonl)
@@ -193,7 +193,7 @@ def test_remote_store_mirrors_checkpoint_and_resumes_elsewhere(tmp_path, jsonl, 
 
 
 def test_checkpoint_mirror_uploads_in_write_order_and_prunes(tmp_path):
-    from glmforge.runner import _CheckpointMirror
+    from runtime.runner import _CheckpointMirror
 
     remote = LocalStore(tmp_path / "remote")
     local = tmp_path / "ckpt"
@@ -231,8 +231,8 @@ def test_a_stop_whose_exception_was_lost_starts_no_further_stage(tmp_path, jsonl
     from prefect.utilities import engine
 
     import flows.end_to_end  # noqa: F401 (wraps Prefect's handler on import)
-    from glmforge import shutdown
-    from glmforge.stage import resolve
+    from runtime import shutdown
+    from runtime.stage import resolve
 
     cfg = _cfg(jsonl)
     runner = _runner(tmp_path, cfg)

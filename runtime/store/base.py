@@ -27,8 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from glmforge.store.errors import CorruptArtifactError
-from glmforge.store.manifest import (
+from runtime.store.errors import CorruptArtifactError
+from runtime.store.manifest import (
     MANIFEST,
     FileEntry,
     Manifest,

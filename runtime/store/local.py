@@ -6,7 +6,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from glmforge.store.base import Store
+from runtime.store.base import Store
 
 
 class LocalStore(Store):

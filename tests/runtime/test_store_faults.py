@@ -18,8 +18,8 @@ import pytest
 
 from glmforge.config import load_config
 from glmforge.pipeline import STAGES, get_stage
-from glmforge.runner import Runner
-from glmforge.store import (
+from runtime.runner import Runner
+from runtime.store import (
     CorruptArtifactError, Lease, LeaseTimeout, LocalStore, S3Store, StoreUnavailableError, artifact_prefix,
 )
 
@@ -336,7 +336,7 @@ def test_stale_lease_expires(store):
     # A holder killed on this machine: its pid is gone, no need to wait for the expiry.
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    from glmforge.store.lease import _machine
+    from runtime.store.lease import _machine
 
     rec = {"owner": "dead", "machine": _machine(), "pid": dead.pid, "generation": 2,
            "expires": time.time() + 3600, "released": False}
@@ -383,8 +383,8 @@ _PROC = textwrap.dedent("""
     import dataclasses, json, os, sys, time
     from glmforge.config import load_config
     from glmforge.pipeline import STAGES, get_stage
-    from glmforge.runner import Runner
-    from glmforge.store import LocalStore
+    from runtime.runner import Runner
+    from runtime.store import LocalStore
     jsonl, store, home, spans, sleep = sys.argv[1:6]
     spec = get_stage("ingest")
     def slow(cfg_, inputs, wd):
