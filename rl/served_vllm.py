@@ -38,7 +38,7 @@ import torch
 from model.config import ModelConfig
 from model.hf import to_dense_mla_config, to_hf_config
 from quant.qat import QATConfig
-from rl.served import REPO, Server, ServerPoolConfig
+from rl.served_pool import REPO, Server, ServerPoolConfig
 from rl.vllm_engine import check_servable, serving_config
 from rl.vllm_server import (CONTROL_TIMEOUT_S, SERVED_NAME, EngineFailed, VLLMServerSettings, http, serve_command,
                              server_env)

@@ -25,8 +25,8 @@ from chat.template import ToolCall
 from domains import arithmetic
 from domains.task import Task
 from domains.tools import CALCULATOR, calculator
-from rl.envs import RewardOutcome, StepResult, check_args, register_env
-from rl.rewards import arithmetic_reward
+from rl.envs.base import StepResult, check_args, register_env
+from rl.rewards import RewardOutcome, arithmetic_reward
 
 _SPACED_DIGITS = re.compile(r"(?<=\d) +(?=\d)")     # "3 4" -> "34"
 

@@ -16,7 +16,8 @@ from typing import Any, Sequence
 
 from chat.template import ToolCall
 from domains.task import Task
-from rl.envs import RewardOutcome, StepResult, make_env, register_env, tasks_for
+from rl.envs.base import StepResult, make_env, register_env, tasks_for
+from rl.rewards import RewardOutcome
 
 
 @register_env("delayed")

@@ -25,14 +25,8 @@ from typing import Sequence
 
 from chat.template import ToolCall
 from domains.task import Task
-from rl.envs import (
-    RewardOutcome,
-    StepResult,
-    check_args,
-    draw,
-    function_spec,
-    register_env,
-)
+from rl.envs.base import StepResult, check_args, draw, function_spec, register_env
+from rl.rewards import RewardOutcome
 
 TOP_K = 5
 HELDOUT_PER_MILLE = 200

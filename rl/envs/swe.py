@@ -38,7 +38,8 @@ from typing import Any, Sequence
 
 from chat.template import ToolCall
 from domains.task import Task
-from rl.envs import RewardOutcome, StepResult, check_args, draw, function_spec, register_env
+from rl.envs.base import StepResult, check_args, draw, function_spec, register_env
+from rl.rewards import RewardOutcome
 from rl.swe.build import apply_hunk
 from rl.swe.python import Python, run_limits
 

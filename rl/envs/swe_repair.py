@@ -45,15 +45,8 @@ from typing import Sequence
 
 from chat.template import ToolCall
 from domains.task import Task
-from rl.envs import (
-    RewardOutcome,
-    StepResult,
-    check_args,
-    draw,
-    function_spec,
-    recheck_outcome,
-    register_env,
-)
+from rl.envs.base import StepResult, check_args, draw, function_spec, register_env
+from rl.rewards import RewardOutcome, recheck_outcome
 from rl.sandbox import SandboxLimits, run_python
 from rl.swe.mutate import MUTATIONS, apply_mutation, sites  # noqa: F401 (MUTATIONS: the families, re-exported)
 from rl.verify import CallCheck, checks_from_asserts, judge, recheck, run_calls

@@ -33,7 +33,8 @@ from typing import Callable, Sequence
 
 from chat.template import ToolCall
 from domains.task import Task
-from rl.envs import RewardOutcome, StepResult, check_args, function_spec, register_env
+from rl.envs.base import StepResult, check_args, function_spec, register_env
+from rl.rewards import RewardOutcome
 from rl.sandbox import SandboxLimits, run_command
 
 OUTPUT_CHARS = 4096
