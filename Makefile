@@ -18,14 +18,14 @@ FIND_LINKS = $(or $(PIP_FIND_LINKS),$(shell python3 -m pip config get global.fin
 export UV_LINK_MODE := copy
 UV_INSTALL = $(1)/bin/uv pip install -q --compile-bytecode --python $(1)/bin/python $(foreach d,$(FIND_LINKS),--find-links $(d))
 
-.PHONY: setup vllm-setup mlflow-setup demo effects effects-sweep test test-fast test-vllm bench clean
+.PHONY: setup vllm-setup mlflow-setup demo effects effects-sweep test test-fast test-vllm docs bench clean
 
 # model-written code runs under bubblewrap (rl/sandbox.py): installed here when root with apt-get
 setup: $(VENV)/.installed
 	@command -v bwrap >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
 	  && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } \
 	  || echo "warning: bwrap (Debian's bubblewrap) is missing: RL code rewards and sandboxed environments will" \
-	          "refuse to run (install it, or see sandbox_allow_weak_isolation in README.md)"
+	          "refuse to run (install it, or see sandbox_allow_weak_isolation in docs/guides/rewards-sandbox.md)"
 
 $(VENV)/.installed: requirements-cpu.txt requirements-dev.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -94,6 +94,16 @@ test-fast: setup
 # the vLLM backend against real vLLM servers (opt-in: minutes of server start-ups; CI runs it)
 test-vllm: setup vllm-setup
 	GLMFORGE_TEST_VLLM=1 $(PY) -m pytest -q -ra -m vllm --durations=10
+
+# the documentation site into site/ (mkdocs.yml; CI runs it): MkDocs in the project's .venv, since the
+# reference pages are generated from the code (docs/hooks/reference.py imports glmforge); strict:
+# any warning (a broken link, a config field without a description) fails the build
+docs: setup $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+$(VENV)/.docs-installed: requirements-docs.txt $(VENV)/.installed
+	$(call UV_INSTALL,$(VENV)) -r requirements-docs.txt
+	touch $@
 
 # every bench under bench/, figures to bench/RESULTS.md (date, machine, settings on each row);
 # hours on 2 cores: `make bench BENCH_ARGS=--quick` for smoke sizes, `BENCH_ARGS="--only s3_upload"` for one

@@ -340,7 +340,7 @@ NOT_BENCHES = {
     "prefect_db_load": "a load test of the Prefect server's database, SQLite beside PostgreSQL (minutes; its table "
                        "is in the README): python3 bench/prefect_db_load.py",
     "swe_forgery": "rates, not speed: what forging a test run pays in the swe environment and what catches it "
-                   "(docs/swe-envs.md): python3 bench/swe_forgery.py",
+                   "(docs/guides/swe-envs.md): python3 bench/swe_forgery.py",
 }
 
 
@@ -383,7 +383,7 @@ HEADER = """# Benchmark results
 Written by `bench/all.py` (`make bench`); do not edit by hand. Each row is the latest run of that
 bench: when, where and with which settings it was measured. Rerun one with
 `.venv/bin/python bench/all.py --only NAME`; `--quick` rows are smoke-sized, not the README's
-standard figures. What each bench measures and its target: README.md, "Benchmarks".
+standard figures. What each bench measures and its target: docs/results/benchmarks.md.
 
 | bench | measured | date | machine | settings |
 |---|---|---|---|---|

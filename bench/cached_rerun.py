@@ -42,13 +42,13 @@ def require_published(preset: str, until: str | None, home: Path) -> None:
     os.environ["GLMFORGE_HOME"] = str(home)
     from glmforge.cached_run import published_chain
     from glmforge.config import load_config
-    from glmforge.pipeline import STAGES, stages_until
+    from glmforge.pipeline import iterations, stages_for, stages_until
     from runtime.runner import Runner
     from runtime.store import open_store
 
     cfg = load_config(preset)
-    specs = stages_until(until)
-    if published_chain(Runner(cfg, open_store(cfg.store.uri), STAGES), specs) is None:
+    specs = stages_until(until, iterations(cfg))
+    if published_chain(Runner(cfg, open_store(cfg.store.uri), stages_for(iterations(cfg))), specs) is None:
         sys.exit(f"{home}: not every stage up to {until or specs[-1].name} is published for preset {preset}; "
                  f"run `GLMFORGE_HOME={home} glmforge run --preset {preset}" + (f" --until {until}`" if until else "`") + " first")
 

@@ -7,7 +7,7 @@ from prefect import flow
 from prefect.states import Cancelled
 
 from glmforge.config import check_preemptions, load_config, pipeline_model
-from glmforge.pipeline import STAGES, get_stage, stages_until
+from glmforge.pipeline import get_stage, iterations, stages_for, stages_until
 from runtime.runner import Runner, RunRecord, execute
 from runtime import shutdown
 from runtime.shutdown import CancelledByUser, Preempted
@@ -57,8 +57,8 @@ def pipeline(
     `preemptions`: how many preempted runs this one continues (deployments/automations.yaml)."""
     cfg = load_config(None if config_file else preset, config_file, overrides)
     check_preemptions(preemptions, cfg.tasks)
-    specs = stages_until(until)
-    runner = Runner(cfg, configured_store(cfg.store, store), STAGES)
+    specs = stages_until(until, iterations(cfg))
+    runner = Runner(cfg, configured_store(cfg.store, store), stages_for(iterations(cfg)))
     record = RunRecord.new(cfg, _source(preset, config_file, overrides, until), [s.name for s in specs])
     try:
         execute(runner, specs, record, run_one=lambda spec, parents: run_in_prefect(spec, cfg.tasks, runner, parents))
@@ -87,7 +87,7 @@ def stage(
 
     With `run_id`, the config comes from that run's record and the record is updated, so
     `glmforge status` shows the resumed stage in the run it belongs to."""
-    spec = get_stage(stage)
+    get_stage(stage)
     given = load_config(None if config_file else preset, config_file, overrides)
     check_preemptions(preemptions, given.tasks)
     st = configured_store(given.store, store)
@@ -99,7 +99,8 @@ def stage(
     else:
         cfg = given
         record = RunRecord.new(cfg, _source(preset, config_file, overrides, stage), [stage])
-    runner = Runner(cfg, st, STAGES)
+    spec = get_stage(stage, iterations(cfg))
+    runner = Runner(cfg, st, stages_for(iterations(cfg)))
     record.state = "running"
     try:
         execute(runner, [spec], record, run_one=lambda s, parents: run_in_prefect(s, cfg.tasks, runner, parents))

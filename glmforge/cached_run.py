@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from glmforge.pipeline import STAGES
+from glmforge.pipeline import iterations, stages_for
 from runtime.runner import Runner, RunRecord, StageResult, _now
 from runtime.stage import StageSpec
 from runtime.store import Manifest, Store
@@ -35,7 +35,7 @@ def published_chain(runner: Runner, specs: list[StageSpec]) -> list[StageResult]
 
 def record_if_cached(cfg: BaseModel, store: Store, specs: list[StageSpec], source: dict[str, Any]) -> RunRecord | None:
     """Record a completed run of `specs` when all are published; None (nothing written) otherwise."""
-    runner = Runner(cfg, store, STAGES)
+    runner = Runner(cfg, store, stages_for(iterations(cfg)))
     results = published_chain(runner, specs)
     if results is None:
         return None

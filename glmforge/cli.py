@@ -144,13 +144,13 @@ def run(
     ),
 ) -> None:
     """Run the pipeline (stages already published for this config are reused)."""
-    from glmforge.pipeline import get_stage, stages_until
+    from glmforge.pipeline import get_stage, iterations, stages_until
     from runtime.tracking import TrackerUnavailable, check_tracking
 
     try:
         cfg = load_config(preset, config, set_)  # validated before any work (and before Prefect starts)
         if until:
-            get_stage(until)
+            get_stage(until, iterations(cfg))
         check_tracking(cfg.tracking)
     except (ConfigError, ValueError, TrackerUnavailable) as e:
         _fail(str(e))
@@ -169,7 +169,8 @@ def run(
 
         source = {k: args[k] for k in ("preset", "config_file", "overrides", "until")}
         try:
-            record = record_if_cached(cfg, _store(args["store"] or cfg.store.uri), stages_until(until), source)
+            record = record_if_cached(cfg, _store(args["store"] or cfg.store.uri),
+                                      stages_until(until, iterations(cfg)), source)
         except StoreUnavailableError as e:
             _fail(str(e), code=1)
         if record is not None:

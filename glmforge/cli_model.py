@@ -30,10 +30,15 @@ def resolve_model_dir(ref: str | Path) -> Path:
     if parse_uri(str(ref)) is None:
         if p.is_dir():
             return p
-        from glmforge.pipeline import STAGE_NAMES
+        from glmforge.pipeline import get_stage
 
+        try:
+            get_stage(str(ref).partition("/")[0])
+            named_a_stage = True
+        except ValueError:
+            named_a_stage = False
         # a path, not STAGE[/KEY]: refused here, before a store is opened (and created)
-        if str(ref).partition("/")[0] not in STAGE_NAMES:
+        if not named_a_stage:
             if p.exists():
                 raise ValueError(f"model {ref} is not a folder: give the folder holding config.json")
             raise ValueError(f"model folder {ref} does not exist (a store artifact is named STAGE or "

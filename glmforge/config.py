@@ -24,7 +24,9 @@ class ConfigError(ValueError):
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    seed: int = 0
+    seed: int = Field(0, description=(
+        "the run seed: the training and RL stages read it (and it joins their cache keys); the curation "
+        "stages take their seeds from their own sections"))
 
 
 _MiB = 1024 * 1024
@@ -84,8 +86,8 @@ class RetryConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    retries: int = Field(default=2, ge=0)
-    retry_delay_seconds: float = Field(default=5.0, ge=0)
+    retries: int = Field(default=2, ge=0, description="times a stage's Prefect task is retried after a failure")
+    retry_delay_seconds: float = Field(default=5.0, ge=0, description="seconds between a failed try and the next")
     max_preemptions: int = Field(default=10, ge=0, description=(
         "automatic reruns of a preempted deployment run in a row (deployments/automations.yaml); "
         "past it the run is left for `glmforge resume`"))
@@ -103,7 +105,7 @@ def check_preemptions(preemptions: int, tasks: RetryConfig) -> None:
 @lru_cache(maxsize=1)
 def pipeline_model() -> type[BaseModel]:
     """The PipelineConfig model, built from the stage registry so each stage owns its section."""
-    from glmforge.pipeline import STAGES
+    from glmforge.pipeline import SECTIONS
     from runtime.tracking import TrackingConfig
     from model.info import PlanConfig
 
@@ -116,7 +118,7 @@ def pipeline_model() -> type[BaseModel]:
         # the cluster layout the training stages are sized for (model.info; checked to fit)
         "plan": (PlanConfig | None, None),
     }
-    for spec in STAGES:
+    for spec in SECTIONS:
         fields[spec.section] = (spec.config_cls, _default_or_required(spec.config_cls))
     return create_model(
         "PipelineConfig", __config__=ConfigDict(extra="forbid", frozen=True), **fields

@@ -1,6 +1,6 @@
 """The recipe's effects, read from one run's stage metrics, and their spread over runs.
 
-One row per effect the pipeline is meant to show (issue 35; README "The effects through the
+One row per effect the pipeline is meant to show (issue 35; docs/results/effects.md, "The effects through the
 pipeline"), each a number taken from a stage's published metrics and the check it has to pass:
 
     long_context_full      dsa-adapt: dense attention's MQAR accuracy, mean over lengths   >= 0.8
@@ -22,6 +22,9 @@ pipeline"), each a number taken from a stage's published metrics and the check i
                            verifies), with every gate of the stage passed                  > 0
     distill_recovered      distill: share of what the student was behind its teachers that
                            it won back (mean over the evals where it was behind)           > 0
+    self_distill_round_gain  rl-reasoning@2 (iterative self-distillation's second round)
+                           minus rl-reasoning: held-out sampled accuracy after each, in
+                           standard errors (only when the config runs two rounds)          > 2
 
 A row whose stage did not run (or did not record the number) is None and neither passes nor
 fails; a row whose stage failed (a gate stopped it) is None and fails. `spread` gives mean and
@@ -115,6 +118,17 @@ def _distill_recovered(m: Metrics) -> Optional[float]:
     return sum(rec) / len(rec) if rec else None
 
 
+def _round_gain(m: Metrics) -> Optional[float]:
+    first = (m.get("rl-reasoning") or {}).get("heldout_sampled_accuracy") or {}
+    second = (m.get("rl-reasoning@2") or {}).get("heldout_sampled_accuracy") or {}
+    vals = [_num(x.get(k)) for x in (first, second) for k in ("after", "stderr_after")]
+    if None in vals:
+        return None
+    a1, s1, a2, s2 = vals
+    se = math.sqrt(s1 ** 2 + s2 ** 2)
+    return (a2 - a1) / se if se > 0 else None
+
+
 def _get(stage: str, *path: str) -> Callable[[Metrics], Optional[float]]:
     def read(m: Metrics) -> Optional[float]:
         v: Any = m.get(stage) or {}
@@ -151,6 +165,8 @@ EFFECTS: tuple[Effect, ...] = (
            "passed", "> 0, every gate passed", _verified_gain, lambda v, m: v > 0 and _gates_passed(m, "rl-general")),
     Effect("distill_recovered", "distill", "share of the gap to its teachers the student won back (mean)", "> 0",
            _distill_recovered, lambda v, m: v > 0),
+    Effect("self_distill_round_gain", "rl-reasoning@2", "held-out sampled accuracy after round 2 minus after round "
+           "1, in standard errors", "> 2", _round_gain, lambda v, m: v > 2),
 )
 
 

@@ -110,12 +110,12 @@ class NodeGroup:
 def node_groups(cfg) -> list[NodeGroup]:
     """The single-pod group, then one group per distinct `launch:` of the training stages (and
     `parallel.launch:` of the RL stages that train on more than one rank)."""
-    from glmforge.pipeline import STAGES
+    from glmforge.pipeline import iterations, stages_for
     from training.config import LaunchConfig
 
     single: list[str] = []
     training: dict[str, tuple[Any, list[str]]] = {}
-    for spec in STAGES:
+    for spec in stages_for(iterations(cfg)):
         section = getattr(cfg, spec.section, None)
         launch = getattr(section, "launch", None)
         parallel = getattr(getattr(section, "parallel", None), "launch", None)

@@ -17,11 +17,23 @@ their keys.
     -> dsa-warmup -> dsa-adapt -> sft -> rl-prompts -> rl-reasoning -> rl-agentic
     rl-reasoning -> reward-model;  rl-agentic + reward-model -> rl-general
     rl-general + sft + rl-reasoning + rl-agentic (teachers) -> distill
+
+Iterative self-distillation (`self_distill.iterations: N`) makes post-training a loop: round r
+(2..N) rejection-samples the round before's RL model (`self-distill@r`), SFT trains again on
+that data (`sft@r`, from the same base model) and every post-training stage runs again on it:
+
+    rl-reasoning@(r-1) -> self-distill@r -> sft@r -> rl-prompts@r -> rl-reasoning@r -> ...
+    -> distill@r
+
+A round's stage is the registry's stage on its round's parents: its own name, so its own key,
+artifact, checkpoint and Prefect task; `glmforge resume sft@2` resumes inside round 2.
 """
 from __future__ import annotations
 
 from data_processing import (decontaminate, dedup_exact, ingest, issue_pr, minhash, packing, quality, semantic,
                              tokenizer)
+import dataclasses
+
 from runtime.stage import StageSpec
 from runtime.stage import upstream as stage_upstream
 
@@ -93,19 +105,73 @@ STAGES: list[StageSpec] = [*CURATION, *TRAINING, *POSTTRAIN]
 STAGE_NAMES = [s.name for s in STAGES]
 BY_NAME = {s.name: s for s in STAGES}
 
+# The loop's rounds 2..N: the stage that makes a round's SFT data, then every post-training
+# stage that depends on SFT (swe-envs, which reads only issue-pr, runs once).
+SELF_DISTILL = StageSpec("self-distill", "self_distill", "posttrain.self_distill:SelfDistillConfig",
+                         "posttrain.self_distill:run", parents=("rl-reasoning", "tokenize"), gpus=LOCAL_GPUS)
+ROUND_STAGES = ("sft", "rl-prompts", "rl-reasoning", "rl-agentic", "reward-model", "rl-general", "distill")
+# every stage that owns a section of the pipeline config
+SECTIONS: list[StageSpec] = [*STAGES, SELF_DISTILL]
 
-def get_stage(name: str) -> StageSpec:
-    if name not in BY_NAME:
-        raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGE_NAMES)}")
-    return BY_NAME[name]
+
+def in_round(name: str, r: int) -> str:
+    return name if r == 1 else f"{name}@{r}"
+
+
+def stage_round(name: str) -> tuple[str, int]:
+    """"sft@2" -> ("sft", 2); "sft" -> ("sft", 1). Only the loop's stages have rounds."""
+    base, at, r = name.partition("@")
+    if not at:
+        return name, 1
+    loop = (SELF_DISTILL.name, *ROUND_STAGES)
+    if base not in loop or not r.isdigit() or int(r) < 2:
+        raise ValueError(f"unknown stage {name!r}: only {', '.join(loop)} have rounds, named STAGE@R with R >= 2 "
+                         "(round 1 is the stage's plain name)")
+    return base, int(r)
+
+
+def stages_for(iterations: int = 1) -> list[StageSpec]:
+    """Every stage of a pipeline with `iterations` post-training rounds, in execution order."""
+    out = list(STAGES)
+    for r in range(2, iterations + 1):
+        out.append(dataclasses.replace(SELF_DISTILL, name=in_round(SELF_DISTILL.name, r),
+                                       parents=(in_round("rl-reasoning", r - 1), "tokenize")))
+        for spec in POSTTRAIN:
+            if spec.name in ROUND_STAGES:
+                parents = tuple(in_round(p, r) if p in ROUND_STAGES else p for p in spec.parents)
+                if spec.name == "sft":
+                    parents += (in_round(SELF_DISTILL.name, r),)
+                out.append(dataclasses.replace(spec, name=in_round(spec.name, r), parents=parents))
+    return out
+
+
+def iterations(cfg) -> int:
+    """The config's post-training rounds (self_distill.iterations)."""
+    return cfg.self_distill.iterations
+
+
+def get_stage(name: str, rounds: int | None = None) -> StageSpec:
+    """The stage `name` ("sft", "sft@2"); with `rounds` (the config's iterations), a round past
+    them is refused."""
+    base, r = stage_round(name)
+    if rounds is not None and r > rounds:
+        raise ValueError(f"stage {name!r} is in round {r}, and the config has {rounds} "
+                         f"(self_distill.iterations={rounds})")
+    for spec in stages_for(r):
+        if spec.name == name:
+            return spec
+    raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGE_NAMES)}")
 
 
 def upstream(name: str) -> list[StageSpec]:
     """The stage and everything it depends on, in execution order."""
     get_stage(name)
-    return stage_upstream(STAGES, name)
+    return stage_upstream(stages_for(stage_round(name)[1]), name)
 
 
-def stages_until(until: str | None) -> list[StageSpec]:
-    """Stages to run for `--until STAGE`: the ones it needs (all stages when None)."""
-    return list(STAGES) if until is None else upstream(until)
+def stages_until(until: str | None, rounds: int = 1) -> list[StageSpec]:
+    """Stages to run for `--until STAGE`: the ones it needs (all stages of `rounds` rounds when None)."""
+    if until is None:
+        return stages_for(rounds)
+    get_stage(until, rounds)
+    return upstream(until)

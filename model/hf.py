@@ -247,7 +247,7 @@ def save_pretrained(model: GLMModel, out_dir: str | Path, tokenizer_dir: str | P
 
 def to_dense_mla_config(cfg: ModelConfig) -> dict:
     """The same weights as DeepSeek-V3's architecture (dense MLA, no indexer, no MTP): what an
-    inference engine without sparse attention serves (vLLM on CPU refuses DSA; docs/vllm-cpu.md).
+    inference engine without sparse attention serves (vLLM on CPU refuses DSA; docs/guides/vllm.md).
     Exact for the DSA model while every context fits in index_topk (the indexer keeps every key),
     and for a dense_attention model at any length."""
     with warnings.catch_warnings():       # dense_attention is representable here

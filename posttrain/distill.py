@@ -67,34 +67,39 @@ DOMAIN_EVALS = {"sft": ("gsm8k_acc", "heldout_ppl"), "rl-reasoning": ("arithmeti
 class DistillConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    steps: int = Field(100, ge=1)
+    steps: int = Field(100, ge=1, description="distillation steps (rollouts, teacher scoring, update)")
     teachers: tuple[str, ...] = Field(TEACHERS, description="teacher stages (their domains' prompts)")
     prompts_per_teacher: int = Field(32, ge=1, description="prompts per teacher per step (group size 1)")
-    optim: OptimConfig = OptimConfig()
+    optim: OptimConfig = Field(OptimConfig(), description="the trainer's AdamW and gradient clip")
     policy_loss: PolicyLossName = Field("opd", description="policy loss by name (rl.algorithms.POLICY_LOSSES); "
                                         "opd reads the teachers' log-probs as per-token advantages")
-    eps_low: float = Field(0.2, ge=0, lt=1)
-    eps_high: float = Field(0.28, ge=0)
-    icepop_beta: Optional[float] = Field(2.0, gt=1)
+    eps_low: float = Field(0.2, ge=0, lt=1, description="PPO clip below 1")
+    eps_high: float = Field(0.28, ge=0, description="PPO clip above 1 (clip-higher)")
+    icepop_beta: Optional[float] = Field(2.0, gt=1, description="IcePop band [1/beta, beta]; null: off")
     adv_clip: Optional[float] = Field(5.0, gt=0, description="clip |A_t| (nats); null: no clip")
-    minibatches: int = Field(1, ge=1)
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int = Field(256, ge=1)
-    rollout_int4: Optional[QATConfig] = None
-    rollout_batch: int = Field(256, ge=1)
+    minibatches: int = Field(1, ge=1, description="optimizer steps per rollout batch (per epoch)")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts")
+    top_p: float = Field(1.0, gt=0, le=1, description=(
+        "nucleus sampling: tokens from the smallest set whose probability reaches top_p (1: off)"))
+    max_new_tokens: int = Field(256, ge=1, description="tokens a student's response may have at most")
+    rollout_int4: Optional[QATConfig] = Field(None, description=(
+        "rollouts from a fake-INT4 copy of the weights (the QAT kinds); null: full precision"))
+    rollout_batch: int = Field(256, ge=1, description="sequences per generate() call")
     rollout: RolloutConfig = Field(RolloutConfig(), description="the engine rollouts come from: native or vLLM")
     teacher_servers: ServerPoolConfig = Field(ServerPoolConfig(replicas=1), description=(
         "with rollout.backend=served: the server pool each teacher is served from (one pool per teacher, "
         "loaded from its artifact); the trainer's ranks then hold no teacher"))
-    gsm8k_path: str = "{samples}/gsm8k/train.jsonl"
-    gsm8k_skip: int = Field(200, ge=0)
+    gsm8k_path: str = Field("{samples}/gsm8k/train.jsonl", description=(
+        "GSM8K train questions of the sft teacher's prompts ({samples} expands)"))
+    gsm8k_skip: int = Field(200, ge=0, description="GSM8K train lines SFT holds out (not RL prompts)")
     use_qat: bool = Field(True, description="train with INT4 fake quantization; the INT4 export is the final model")
-    qat: QATConfig = QATConfig()
+    qat: QATConfig = Field(QATConfig(), description=(
+        "which module kinds INT4 fake quantization and the final INT4 export quantize, and the group size"))
     export_hf: bool = Field(True, description="export/full + export/int4 (HF layout) besides int4/")
-    gates: GateConfig = GateConfig()
-    checkpoint_every: int = Field(20, ge=1)
-    keep_last: int = Field(2, ge=1)
+    gates: GateConfig = Field(GateConfig(), description=(
+        "the evaluation gates: evals before and after, and the regression each may show (rl.gates)"))
+    checkpoint_every: int = Field(20, ge=1, description="steps between checkpoints (and one at the end)")
+    keep_last: int = Field(2, ge=1, description="complete checkpoints kept")
     parallel: ParallelConfig = Field(ParallelConfig(), description="the trainer's ranks (rl.ranks); one: in the "
                                      "stage's process")
 

@@ -60,22 +60,28 @@ log = logging.getLogger("glmforge")
 class RewardModelConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    steps: int = Field(200, ge=1)
+    steps: int = Field(200, ge=1, description="optimizer steps")
     batch_pairs: int = Field(16, ge=1, description="preference pairs per optimizer step")
-    optim: OptimConfig = OptimConfig(lr=1e-5)
+    optim: OptimConfig = Field(OptimConfig(lr=1e-5), description="the trainer's AdamW and gradient clip")
     loss: PreferenceLossName = Field("bradley_terry", description="preference loss by name "
                                      "(rl.algorithms.PREFERENCE_LOSSES)")
     max_len: int = Field(512, ge=8, description="tokens per conversation (the last ones are kept)")
-    gsm8k_path: str = "{samples}/gsm8k/train.jsonl"
+    gsm8k_path: str = Field("{samples}/gsm8k/train.jsonl", description=(
+        "GSM8K train problems the gsm8k pairs are built from ({samples} expands)"))
     gsm8k_skip: int = Field(200, ge=0, description="GSM8K train lines SFT holds out")
-    gsm8k_pairs: int = Field(2000, ge=0)
-    mbpp_path: str = "{samples}/mbpp/mbpp.jsonl"
-    mbpp_pairs: int = Field(374, ge=0)
-    arithmetic_pairs: int = Field(500, ge=0)
-    heldout_percent: int = Field(10, ge=1, le=50)
-    eval_batch: int = Field(32, ge=1)
-    checkpoint_every: int = Field(50, ge=1)
-    keep_last: int = Field(2, ge=1)
+    gsm8k_pairs: int = Field(2000, ge=0, description=(
+        "preference pairs from GSM8K problems (a wrong final number, or a truncated rationale)"))
+    mbpp_path: str = Field("{samples}/mbpp/mbpp.jsonl", description=(
+        "MBPP problems the mbpp pairs are built from ({samples} expands)"))
+    mbpp_pairs: int = Field(374, ge=0, description=(
+        "preference pairs from MBPP training problems (the reference code against one breaking mutation)"))
+    arithmetic_pairs: int = Field(500, ge=0, description=(
+        "preference pairs from the synthetic addition task (one digit wrong)"))
+    heldout_percent: int = Field(10, ge=1, le=50, description=(
+        "percent of the pairs held out (by a hash of the prompt) for the held-out pairwise accuracy"))
+    eval_batch: int = Field(32, ge=1, description="pairs per forward pass of the held-out evaluation")
+    checkpoint_every: int = Field(50, ge=1, description="steps between checkpoints (and one at the end)")
+    keep_last: int = Field(2, ge=1, description="complete checkpoints kept")
     parallel: ParallelConfig = Field(ParallelConfig(), description="the trainer's ranks (rl.ranks); one: in the "
                                      "stage's process")
 

@@ -86,10 +86,10 @@ class RLAgenticConfig(BaseModel):
 
     steps: int = Field(100, ge=1, description="optimizer steps")
     prompts_per_step: int = Field(16, ge=1, description="groups per optimizer step (B = this x group_size)")
-    group_size: int = Field(8, ge=2)
+    group_size: int = Field(8, ge=2, description="episodes per task (a GRPO group)")
     environments: dict[str, float] = Field({"calc_arith": 1.0}, description="episode weights over rl.envs")
     env_args: dict[str, dict[str, Any]] = Field({}, description="constructor arguments per environment")
-    max_turns: int = Field(4, ge=1)
+    max_turns: int = Field(4, ge=1, description="assistant turns per episode at most")
     context: Optional[AgentContextConfig] = Field(None, description="keep-recent-k context management (forks trajectories)")
     workers: int = Field(2, ge=1, description="rollout worker processes")
     synchronous: bool = Field(False, description="the on-policy reference: generate in the trainer, no workers")
@@ -99,19 +99,22 @@ class RLAgenticConfig(BaseModel):
     advantage: AdvantageName = Field("grpo", description="advantage estimator by name (rl.algorithms.ADVANTAGES)")
     policy_loss: PolicyLossName = Field("double_sided_is", description="policy loss by name (rl.algorithms."
                                         "POLICY_LOSSES); GLM-5's agentic RL: double_sided_is")
-    eps_low: float = Field(0.2, ge=0, lt=1)
-    eps_high: float = Field(0.28, ge=0)
+    eps_low: float = Field(0.2, ge=0, lt=1, description="PPO clip below 1")
+    eps_high: float = Field(0.28, ge=0, description="PPO clip above 1 (clip-higher)")
     icepop_beta: Optional[float] = Field(2.0, gt=1, description="IcePop band, for policy_loss icepop")
-    optim: OptimConfig = OptimConfig()
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    optim: OptimConfig = Field(OptimConfig(), description="the trainer's AdamW and gradient clip")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts")
+    top_p: float = Field(1.0, gt=0, le=1, description=(
+        "nucleus sampling: tokens from the smallest set whose probability reaches top_p (1: off)"))
     max_new_tokens: int = Field(256, ge=1, description="per assistant turn")
-    rollout_int4: Optional[QATConfig] = None
-    rollout_batch: int = Field(64, ge=1)
+    rollout_int4: Optional[QATConfig] = Field(None, description=(
+        "rollouts from a fake-INT4 copy of the weights (the QAT kinds); null: full precision"))
+    rollout_batch: int = Field(64, ge=1, description="sequences per generate() call")
     rollout: RolloutConfig = Field(RolloutConfig(), description="the engine rollouts come from: native (each worker "
                                    "holds a copy) or vLLM (the stage's servers; workers send it their turns)")
-    heartbeat_s: float = Field(1.0, gt=0)
-    dead_after_s: float = Field(60.0, gt=0)
+    heartbeat_s: float = Field(1.0, gt=0, description="seconds between a rollout worker's heartbeats")
+    dead_after_s: float = Field(60.0, gt=0, description=(
+        "a worker silent this long is deregistered, killed and replaced"))
     heldout: int = Field(100, ge=0, description="held-out episodes per environment, greedy, before and after")
     heldout_samples: int = Field(8, ge=0, description="episodes per held-out task at the rollout temperature, before "
                                  "and after: the held-out expected reward, which moves where greedy accuracy sits at "
@@ -120,9 +123,10 @@ class RLAgenticConfig(BaseModel):
                                  "re-check disagrees that raises an alert (rl.reward_audit)")
     canary_alert: float = Field(0.0, ge=0, lt=1, description="share of canary episodes (swe's canary instances) "
                                 "passing their contradicting tests above which a step alerts (rl.reward_audit)")
-    checkpoint_every: int = Field(10, ge=1)
-    keep_last: int = Field(2, ge=1)
-    gates: GateConfig = GateConfig()
+    checkpoint_every: int = Field(10, ge=1, description="steps between checkpoints (and one at the end)")
+    keep_last: int = Field(2, ge=1, description="complete checkpoints kept")
+    gates: GateConfig = Field(GateConfig(), description=(
+        "the evaluation gates: evals before and after, and the regression each may show (rl.gates)"))
     threads: Optional[int] = Field(None, ge=1, description="torch threads of the trainer process (None: torch's "
                                    "default; tiny matrices on a shared CPU run fastest on 1)")
     parallel: ParallelConfig = Field(ParallelConfig(), description="the trainer's ranks (rl.ranks); one: in the "

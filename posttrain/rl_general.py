@@ -81,18 +81,20 @@ SOURCES = ("gsm8k", "mbpp", "arithmetic", "tool")
 class RLGeneralConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    steps: int = Field(100, ge=1)
-    prompts_per_step: int = Field(32, ge=1)
-    group_size: int = Field(8, ge=2)
+    steps: int = Field(100, ge=1, description="rollout + update rounds")
+    prompts_per_step: int = Field(32, ge=1, description="prompts per rollout batch")
+    group_size: int = Field(8, ge=2, description="samples per prompt")
     prompts: dict[str, float] = Field({"gsm8k": 1.0, "tool": 1.0, "mbpp": 1.0, "arithmetic": 1.0},
                                       description=f"prompt weights over {SOURCES}")
     weights: dict[str, float] = Field({"rule": 1.0, "orm": 1.0, "grm": 1.0},
                                       description=f"hybrid reward weights over {COMPONENTS}")
     length_target: int = Field(256, ge=1, description="tokens a reply may use before the length penalty")
-    length_weight: float = Field(0.5, ge=0)
+    length_weight: float = Field(0.5, ge=0, description=(
+        "weight of the length penalty (past length_target) in the hybrid reward"))
     orm_timeout_s: float = Field(30.0, gt=0, description="deadline per ORM chunk")
     grm_timeout_s: float = Field(60.0, gt=0, description="deadline per GRM chunk")
-    judge_chunk: int = Field(32, ge=1)
+    judge_chunk: int = Field(32, ge=1, description=(
+        "samples per request to a judge (ORM, GRM); each chunk has its own deadline"))
     judge_eval: int = Field(32, ge=0, description="held-out verifiable prompts (half addition, half GSM8K test "
                             "questions offered the calculator) on which each reward source is scored against the "
                             "verified outcome before training (judge_accuracy); 0: not measured")
@@ -100,23 +102,26 @@ class RLGeneralConfig(BaseModel):
     grm_scoring: Literal["parse", "expected"] = Field(
         "parse", description="parse: the first 0-10 integer of a greedy reply of up to grm_max_new_tokens; expected: "
                              "the verdict's expectation over the first token's distribution (rl.judges.grm_judge)")
-    grm_max_new_tokens: int = Field(4, ge=1)
+    grm_max_new_tokens: int = Field(4, ge=1, description="tokens of the GRM's verdict reply (grm_scoring parse)")
     grm_min_number_mass: float = Field(0.05, ge=0, le=1, description="expected: below this, no verdict")
-    optim: OptimConfig = OptimConfig()
-    eps_low: float = Field(0.2, ge=0, lt=1)
-    eps_high: float = Field(0.28, ge=0)
-    icepop_beta: Optional[float] = Field(2.0, gt=1)
-    std_normalize: bool = False
+    optim: OptimConfig = Field(OptimConfig(), description="the trainer's AdamW and gradient clip")
+    eps_low: float = Field(0.2, ge=0, lt=1, description="PPO clip below 1")
+    eps_high: float = Field(0.28, ge=0, description="PPO clip above 1 (clip-higher)")
+    icepop_beta: Optional[float] = Field(2.0, gt=1, description="IcePop band [1/beta, beta]; null: off")
+    std_normalize: bool = Field(False, description="divide advantages by the group's std")
     advantage: AdvantageName = Field("grpo", description="advantage estimator by name (rl.algorithms.ADVANTAGES)")
     policy_loss: PolicyLossName = Field("icepop", description="policy loss by name (rl.algorithms.POLICY_LOSSES): "
                                         "icepop, ppo, double_sided_is or a registered one")
-    minibatches: int = Field(2, ge=1)
-    epochs: int = Field(1, ge=1)
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int = Field(512, ge=1)
-    rollout_int4: Optional[QATConfig] = None
-    rollout_batch: int = Field(256, ge=1)
+    minibatches: int = Field(2, ge=1, description="optimizer steps per rollout batch (per epoch)")
+    epochs: int = Field(1, ge=1, description=(
+        "passes over each rollout batch (each pass takes `minibatches` optimizer steps)"))
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts")
+    top_p: float = Field(1.0, gt=0, le=1, description=(
+        "nucleus sampling: tokens from the smallest set whose probability reaches top_p (1: off)"))
+    max_new_tokens: int = Field(512, ge=1, description="tokens a rollout's response may have at most")
+    rollout_int4: Optional[QATConfig] = Field(None, description=(
+        "rollouts from a fake-INT4 copy of the weights (the QAT kinds); null: full precision"))
+    rollout_batch: int = Field(256, ge=1, description="sequences per generate() call")
     dynamic_sampling: DynamicSamplingConfig = Field(DynamicSamplingConfig(), description=(
         "replace zero-variance groups with fresh prompts' groups, within a bound per step (rl.dynamic_sampling)"))
     overlong: OverlongConfig = Field(OverlongConfig(), description="what a response that hit max_new_tokens "
@@ -125,17 +130,20 @@ class RLGeneralConfig(BaseModel):
     judge_servers: ServerPoolConfig = Field(ServerPoolConfig(replicas=1), description=(
         "with rollout.backend=served: the server pool each judge is served from (the GRM's weights, the "
         "ORM); the trainer's ranks then hold no judge"))
-    gsm8k_path: str = "{samples}/gsm8k/train.jsonl"
-    gsm8k_skip: int = Field(200, ge=0)
-    mbpp_path: str = "{samples}/mbpp/mbpp.jsonl"
-    gates: GateConfig = GateConfig()
+    gsm8k_path: str = Field("{samples}/gsm8k/train.jsonl", description=(
+        "GSM8K train questions of the gsm8k and tool prompts ({samples} expands)"))
+    gsm8k_skip: int = Field(200, ge=0, description="GSM8K train lines SFT holds out (not RL prompts)")
+    mbpp_path: str = Field("{samples}/mbpp/mbpp.jsonl", description=(
+        "MBPP problems of the mbpp prompts ({samples} expands)"))
+    gates: GateConfig = Field(GateConfig(), description=(
+        "the evaluation gates: evals before and after, and the regression each may show (rl.gates)"))
     threads: Optional[int] = Field(None, ge=1, description="torch threads of the trainer process (None: torch's "
                                    "default; tiny matrices on a shared CPU run fastest on 1)")
-    checkpoint_every: int = Field(20, ge=1)
-    keep_last: int = Field(2, ge=1)
+    checkpoint_every: int = Field(20, ge=1, description="steps between checkpoints (and one at the end)")
+    keep_last: int = Field(2, ge=1, description="complete checkpoints kept")
     parallel: ParallelConfig = Field(ParallelConfig(), description="the trainer's ranks (rl.ranks); one: in the "
                                      "stage's process")
-    examples: int = Field(8, ge=0)
+    examples: int = Field(8, ge=0, description="rollouts of the last step written to samples.jsonl")
 
     @model_validator(mode="after")
     def _placement(self) -> "RLGeneralConfig":

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
@@ -87,19 +87,59 @@ def candidates(cfg: RLPromptsConfig, seed: int) -> list[Task]:
     return out
 
 
-def measure(engine, worker: RewardWorker, tokenizer, tasks: list[Task], k: int, sampling: SamplingParams,
-            generator: torch.Generator, timeout_s: float) -> list[dict[str, Any]]:
-    """Each task's k sampled responses scored: {task, pass_rate (share rewarded 1), mean_reward, rewards}."""
+def sample_and_score(engine, worker: RewardWorker, tokenizer, tasks: list[Task], k: int, sampling: SamplingParams,
+                     generator: torch.Generator, timeout_s: float) -> list[list[Sample]]:
+    """k sampled responses of each task, scored by the verifiers: one list of samples per task."""
     samples = [Sample(t, i, prompt_ids(tokenizer, t)) for i, t in enumerate(tasks) for _ in range(k)]
     engine.generate(samples, sampling, generator)
     score(worker, samples, timeout_s)
+    return [samples[i * k:(i + 1) * k] for i in range(len(tasks))]
+
+
+def measure(engine, worker: RewardWorker, tokenizer, tasks: list[Task], k: int, sampling: SamplingParams,
+            generator: torch.Generator, timeout_s: float) -> list[dict[str, Any]]:
+    """Each task's k sampled responses scored: {task, pass_rate (share rewarded 1), mean_reward, rewards}."""
     out = []
-    for i, t in enumerate(tasks):
-        rewards = [s.reward for s in samples[i * k:(i + 1) * k]]
+    for t, group in zip(tasks, sample_and_score(engine, worker, tokenizer, tasks, k, sampling, generator, timeout_s)):
+        rewards = [s.reward for s in group]
         out.append({"domain": t.domain, "prompt": t.prompt, "answer": t.answer, "meta": t.meta,
                     "pass_rate": sum(r >= 1.0 for r in rewards) / k, "mean_reward": sum(rewards) / k,
                     "rewards": rewards})
     return out
+
+
+def in_chunks(tasks: list[Task], chunk: int, workdir: Workdir, lines: Path, desc: str,
+              rows_of: Callable[[list[Task], int], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """rows_of(each chunk of `chunk` tasks, its index), appended to `lines` (a JSONL file in the
+    checkpoint) with a cursor after each chunk: a killed stage goes on after its last chunk, and
+    what it wrote after that cursor is cut off first. Returns every row, in task order."""
+    cursor_file = lines.with_name(lines.stem + ".cursor.json")
+    cursor = json.loads(cursor_file.read_text()) if cursor_file.exists() else {"chunks": 0, "bytes": 0}
+    with open(lines, "ab") as f:                 # what a killed attempt wrote after its last cursor
+        f.truncate(cursor["bytes"])
+    chunks = [tasks[i:i + chunk] for i in range(0, len(tasks), chunk)]
+    for c in range(cursor["chunks"], len(chunks)):
+        rows = rows_of(chunks[c], c)
+        with open(lines, "a", encoding="utf-8") as f:
+            f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        cursor = {"chunks": c + 1, "bytes": lines.stat().st_size}
+        tmp = cursor_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cursor))
+        tmp.replace(cursor_file)
+        workdir.persist_checkpoint()
+        workdir.progress(min((c + 1) * chunk, len(tasks)), len(tasks), desc)
+    return [json.loads(x) for x in lines.read_text(encoding="utf-8").splitlines() if x.strip()]
+
+
+def policy_engine(cfg: RLPromptsConfig, inputs: dict[str, Path], parent: str, workdir: Workdir):
+    """(tokenizer, `parent`'s model, its rollout engine (a context manager: enter it), sampling parameters)."""
+    tokenizer = load_tokenizer(inputs["tokenize"])
+    model = trainer.load_policy(inputs[parent], parent, tokenizer, workdir.seed, cfg.threads)
+    stop_ids = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
+    pad_id = tokenizer.token_to_id("<|pad|>")
+    engine = open_engine(cfg.rollout, model, tokenizer, stop_ids, pad_id, workdir.checkpoint / "engine",
+                         batch_size=cfg.rollout_batch)
+    return tokenizer, model, engine, SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
 
 
 def run(cfg: RLPromptsConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
@@ -107,37 +147,18 @@ def run(cfg: RLPromptsConfig, inputs: dict[str, Path], workdir: Workdir) -> dict
         require_isolation(cfg.sandbox_allow_weak_isolation, "rl_prompts.sandbox_allow_weak_isolation")
     seed = workdir.seed
     tasks = candidates(cfg, seed)
-    tokenizer = load_tokenizer(inputs["tokenize"])
-    model = trainer.load_policy(inputs["sft"], "sft", tokenizer, seed, cfg.threads)
-    stop_ids = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
-    pad_id = tokenizer.token_to_id("<|pad|>")
-    sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
+    tokenizer, model, opened, sampling = policy_engine(cfg, inputs, "sft", workdir)
+    workdir.checkpoint.mkdir(parents=True, exist_ok=True)
+    with opened as engine, RewardWorker() as worker:
+        engine.sync(model, 0)
 
-    ckpt = workdir.checkpoint
-    ckpt.mkdir(parents=True, exist_ok=True)
-    lines, cursor_file = ckpt / POOL, ckpt / "cursor.json"
-    cursor = json.loads(cursor_file.read_text()) if cursor_file.exists() else {"chunks": 0, "bytes": 0}
-    with open(lines, "ab") as f:                 # what a killed attempt wrote after its last cursor
-        f.truncate(cursor["bytes"])
-    chunks = [tasks[i:i + cfg.chunk] for i in range(0, len(tasks), cfg.chunk)]
-    if cursor["chunks"] < len(chunks):
-        with open_engine(cfg.rollout, model, tokenizer, stop_ids, pad_id, ckpt / "engine",
-                         batch_size=cfg.rollout_batch) as engine, RewardWorker() as worker:
-            engine.sync(model, 0)
-            for c in range(cursor["chunks"], len(chunks)):
-                gen = torch.Generator().manual_seed(seed * 1_000_003 + c)
-                rows = measure(engine, worker, tokenizer, chunks[c], cfg.samples, sampling, gen, cfg.reward_timeout_s)
-                with open(lines, "a", encoding="utf-8") as f:
-                    f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-                cursor = {"chunks": c + 1, "bytes": lines.stat().st_size}
-                tmp = cursor_file.with_suffix(".tmp")
-                tmp.write_text(json.dumps(cursor))
-                tmp.replace(cursor_file)
-                workdir.persist_checkpoint()
-                workdir.progress(min((c + 1) * cfg.chunk, len(tasks)), len(tasks), "rl-prompts: measured")
-    rows = [json.loads(x) for x in lines.read_text(encoding="utf-8").splitlines() if x.strip()]
+        def rows_of(chunk: list[Task], c: int) -> list[dict[str, Any]]:
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + c)
+            return measure(engine, worker, tokenizer, chunk, cfg.samples, sampling, gen, cfg.reward_timeout_s)
+
+        rows = in_chunks(tasks, cfg.chunk, workdir, workdir.checkpoint / POOL, "rl-prompts: measured", rows_of)
     workdir.out.mkdir(parents=True, exist_ok=True)
-    (workdir.out / POOL).write_text(lines.read_text(encoding="utf-8"), encoding="utf-8")
+    (workdir.out / POOL).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     result = summary(rows, cfg.samples)
     (workdir.out / "pool.json").write_text(json.dumps(result, indent=1))
     return result

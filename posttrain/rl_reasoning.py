@@ -71,7 +71,7 @@ class RLReasoningConfig(BaseModel):
     prompts_per_step: int = Field(32, ge=1, description="prompts per rollout batch (GLM-5: 32)")
     group_size: int = Field(32, ge=2, description="samples per prompt (GLM-5: 32)")
     domains: dict[str, float] = Field({"arithmetic": 1.0}, description=f"prompt weights over {DOMAINS}")
-    optim: OptimConfig = OptimConfig()
+    optim: OptimConfig = Field(OptimConfig(), description="the trainer's AdamW and gradient clip")
     # the loss
     eps_low: float = Field(0.2, ge=0, lt=1, description="PPO clip below 1")
     eps_high: float = Field(0.28, ge=0, description="PPO clip above 1 (clip-higher)")
@@ -82,11 +82,13 @@ class RLReasoningConfig(BaseModel):
                                         "icepop, ppo, double_sided_is or a registered one")
 
     minibatches: int = Field(2, ge=1, description="optimizer steps per rollout batch (per epoch)")
-    epochs: int = Field(1, ge=1)
+    epochs: int = Field(1, ge=1, description=(
+        "passes over each rollout batch (each pass takes `minibatches` optimizer steps)"))
     # sampling
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int = Field(512, ge=1)
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts")
+    top_p: float = Field(1.0, gt=0, le=1, description=(
+        "nucleus sampling: tokens from the smallest set whose probability reaches top_p (1: off)"))
+    max_new_tokens: int = Field(512, ge=1, description="tokens a rollout's response may have at most")
     rollout_int4: Optional[QATConfig] = Field(None, description="rollouts from a fake-INT4 copy of the weights")
     routing_replay: bool = Field(False, description="rollouts record each token's experts and the trainer's "
                                  "forward passes use them (R3): log-probs of the experts that produced the tokens")
@@ -100,7 +102,8 @@ class RLReasoningConfig(BaseModel):
                                      "trains as: keep, filter, penalty (rl.dynamic_sampling)")
     rollout: RolloutConfig = Field(RolloutConfig(), description="the engine rollouts come from: native or vLLM")
     # rewards
-    reward_timeout_s: float = Field(10.0, gt=0)
+    reward_timeout_s: float = Field(10.0, gt=0, description=(
+        "seconds one sample's reward may take; past it the sample scores 0 (reason timeout)"))
     recheck_per_step: int = Field(4, ge=0, description="rewarded samples re-checked per step by an independent "
                                   "check (code: fresh inputs vs the reference; rl.reward_audit)")
     recheck_alert: float = Field(0.25, gt=0, le=1, description="share of re-checks that disagree that raises an alert")
@@ -108,20 +111,24 @@ class RLReasoningConfig(BaseModel):
         "where bwrap is missing, run the code domain's model-written code anyway, with only limits, a private "
         "uid and an empty environment (rl.sandbox); false: the stage refuses to start"))
     # prompt sources and evaluation
-    gsm8k_path: str = "{samples}/gsm8k/train.jsonl"
+    gsm8k_path: str = Field("{samples}/gsm8k/train.jsonl", description=(
+        "GSM8K train questions of the math and tool domains ({samples} expands)"))
     gsm8k_skip: int = Field(200, ge=0, description="GSM8K train lines SFT holds out (not RL prompts)")
-    mbpp_path: str = "{samples}/mbpp/mbpp.jsonl"
+    mbpp_path: str = Field("{samples}/mbpp/mbpp.jsonl", description=(
+        "MBPP problems of the code domain ({samples} expands)"))
     heldout: int = Field(200, ge=1, description="held-out synthetic prompts, greedy, before and after")
     heldout_samples: int = Field(8, ge=0, description="samples per held-out prompt at the rollout temperature, "
                                  "before and after: the held-out expected reward, which moves where greedy "
                                  "accuracy sits at its ceiling (0: greedy only)")
-    gsm8k_test_path: str = "{samples}/gsm8k/test.jsonl"
+    gsm8k_test_path: str = Field("{samples}/gsm8k/test.jsonl", description=(
+        "GSM8K test questions scored before and after ({samples} expands)"))
     gsm8k_test: int = Field(16, ge=0, description="GSM8K test questions scored before and after (greedy)")
-    gsm8k_max_new_tokens: int = Field(256, ge=1)
-    checkpoint_every: int = Field(20, ge=1)
-    keep_last: int = Field(2, ge=1)
+    gsm8k_max_new_tokens: int = Field(256, ge=1, description="generation budget per GSM8K test answer")
+    checkpoint_every: int = Field(20, ge=1, description="steps between checkpoints (and one at the end)")
+    keep_last: int = Field(2, ge=1, description="complete checkpoints kept")
     examples: int = Field(8, ge=0, description="rollouts of the last step written to samples.jsonl")
-    gates: GateConfig = GateConfig()
+    gates: GateConfig = Field(GateConfig(), description=(
+        "the evaluation gates: evals before and after, and the regression each may show (rl.gates)"))
     threads: Optional[int] = Field(None, ge=1, description="torch threads of the trainer process (None: torch's "
                                    "default; tiny matrices on a shared CPU run fastest on 1)")
     parallel: ParallelConfig = Field(ParallelConfig(), description="the trainer's ranks (rl.ranks); one: in the "

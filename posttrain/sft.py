@@ -92,8 +92,9 @@ class SFTConfig(TrainConfig):
     """SFT on top of the last context-extension stage. The training fields are TrainConfig's."""
 
     seq_len: int = Field(1024, ge=16, description="packed sequence length (longer samples are dropped)")
-    data: SFTDataConfig = SFTDataConfig()
-    qat: QATConfig = QATConfig()
+    data: SFTDataConfig = Field(SFTDataConfig(), description=(
+        "the SFT conversations (posttrain.sft_data): kinds, counts and held-out splits"))
+    qat: QATConfig = Field(QATConfig(), description="which module kinds INT4 QAT fake-quantizes, and its group size")
     use_qat: bool = Field(True, description="fake-quantize during training (INT4 QAT)")
     qat_start_fraction: float = Field(0.0, ge=0, lt=1, description="fake quantization starts after this "
                                       "share of the steps (torchtune's fake_quant_after_n_steps); the QAT "
@@ -259,9 +260,10 @@ def spread(per_seed: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]
 
 
 # ---------------------------------------------------------------- the stage
-def _data(cfg: SFTConfig, tokenizer, workdir: Workdir) -> tuple[Path, dict[str, Any]]:
+def _data(cfg: SFTConfig, tokenizer, workdir: Workdir, distilled: Path | None = None) -> tuple[Path, dict[str, Any]]:
     """Build the packed SFT data once; a retry reuses it (written to a temp dir, then renamed,
-    so a half-written one is never taken for complete)."""
+    so a half-written one is never taken for complete). `distilled`: a later round's
+    self-distill artifact (posttrain.self_distill)."""
     data_dir = workdir.checkpoint / "data"
     stats_file = data_dir / "build.json"
     if not (data_dir / META).exists() or not stats_file.exists():
@@ -269,7 +271,7 @@ def _data(cfg: SFTConfig, tokenizer, workdir: Workdir) -> tuple[Path, dict[str, 
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(data_dir, ignore_errors=True)
         tmp.mkdir(parents=True)
-        stats = build_sft_data(cfg.data, tokenizer, tmp, cfg.seq_len)
+        stats = build_sft_data(cfg.data, tokenizer, tmp, cfg.seq_len, distilled)
         (tmp / "build.json").write_text(json.dumps(stats, indent=1))
         os.replace(tmp, data_dir)
         workdir.persist_checkpoint()
@@ -327,7 +329,7 @@ def run_sft(cfg: SFTConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[s
     tokenizer = load_tokenizer(tok_dir)
     if cfg.eval_facts:   # before any training: the fact table's ids must exist in the model
         synthetic.check_vocab(model_cfg.vocab_size, tokenizer.get_vocab_size(), "sft.eval_facts")
-    data_dir, data_stats = _data(cfg, tokenizer, workdir)
+    data_dir, data_stats = _data(cfg, tokenizer, workdir, inputs.get("self-distill"))
 
     result, quant = _train_and_quantize(cfg, model_cfg, init, data_dir, tok_dir, tokenizer, workdir)
     seeds = [quant]

@@ -29,6 +29,7 @@ every sample so attention never crosses samples.
 """
 from __future__ import annotations
 
+import json
 import random
 import re
 import zlib
@@ -55,6 +56,8 @@ from domains.tools import (
 )
 
 KINDS = ("reasoning", "tool_calc", "tool_docs", "code", "arithmetic")
+# a self-distill@R artifact (posttrain.self_distill): token-level examples and their counts
+DISTILLED, DISTILLED_META = "examples.jsonl", "self_distill.json"
 # a file name with "test" as a word: test.jsonl, gsm8k-test.jsonl, test_sample.jsonl (not latest.jsonl)
 _TEST_SPLIT = re.compile(r"(?<![a-z])test(?![a-z])")
 
@@ -65,9 +68,12 @@ class SFTDataConfig(BaseModel):
     gsm8k_path: str = Field("{samples}/gsm8k/train.jsonl", description="GSM8K train.jsonl ({samples} expands)")
     eval_lines: int = Field(200, ge=1, description="GSM8K's first lines: held out (decontamination's eval set)")
     reasoning: int = Field(600, ge=0, description="training samples of each kind")
-    tool_calc: int = Field(300, ge=0)
-    tool_docs: int = Field(150, ge=0)
-    code: int = Field(150, ge=0)
+    tool_calc: int = Field(300, ge=0, description=(
+        "training samples of GSM8K questions solved with calculator tool calls"))
+    tool_docs: int = Field(150, ge=0, description=(
+        "training samples answering a standard-library question by calling search_docs"))
+    code: int = Field(150, ge=0, description=(
+        "training samples writing a standard-library function from its signature and docstring"))
     arithmetic: int = Field(0, ge=0, description="demonstrations of rl-reasoning's synthetic addition task "
                             "(domains.arithmetic): the warm start that puts RL at the edge of competence")
     arithmetic_with_tools: float = Field(0.0, ge=0, le=1, description="share of arithmetic demonstrations "
@@ -86,7 +92,7 @@ class SFTDataConfig(BaseModel):
     max_doc_chars: int = Field(MAX_DOC_CHARS, ge=50, description="search_docs returns at most this much of a docstring")
     max_code_chars: int = Field(700, ge=50, description="code tasks use functions up to this source length")
     max_calls: int = Field(4, ge=1, description="tool_calc samples have at most this many calculator calls")
-    seed: int = 0
+    seed: int = Field(0, description="seed of the training samples' order and of the arithmetic demonstrations")
 
     @field_validator("gsm8k_path")
     @classmethod
@@ -275,11 +281,39 @@ def build_samples(cfg: SFTDataConfig) -> dict[str, list[SFTExample]]:
     return {"train": train, "val": val}
 
 
-def build_sft_data(cfg: SFTDataConfig, tokenizer, out: Path, seq_len: int) -> dict[str, Any]:
+def read_distilled(artifact: Path) -> tuple[list[dict[str, Any]], bool]:
+    """A self-distill artifact's examples and whether they replace the original demonstrations."""
+    lines = (artifact / DISTILLED).read_text().splitlines()
+    return [json.loads(x) for x in lines if x.strip()], bool(json.loads((artifact / DISTILLED_META).read_text())["replace"])
+
+
+def replaced_by(example: SFTExample, domains: set[str]) -> bool:
+    """Whether distilled examples of `domains` take this original demonstration's place: the
+    direct arithmetic answers (not the calculator calls, the agentic warm start) and the GSM8K
+    rationales."""
+    if example.kind == "arithmetic":
+        return "arithmetic" in domains and not any(m.tool_calls for m in example.messages)
+    return example.kind == "reasoning" and "math" in domains
+
+
+def build_sft_data(cfg: SFTDataConfig, tokenizer, out: Path, seq_len: int,
+                   distilled: Path | None = None) -> dict[str, Any]:
     """Build, encode and pack the conversations under `out` (a PackedDataset directory with a
-    loss mask). Samples longer than seq_len are dropped and counted. Returns statistics."""
+    loss mask). Samples longer than seq_len are dropped and counted. `distilled`: a self-distill
+    artifact whose examples join the train split (replacing their domains' demonstrations when
+    it says so). Returns statistics."""
     samples = build_samples(cfg)
     splits, stats = {}, {"dropped_too_long": 0}
+    extra: list[tuple[list[int], list[int]]] = []
+    if distilled is not None:
+        examples, replace = read_distilled(distilled)
+        if replace:
+            domains = {e["domain"] for e in examples}
+            kept = [s for s in samples["train"] if not replaced_by(s, domains)]
+            stats["replaced_by_self_distill"] = len(samples["train"]) - len(kept)
+            samples["train"] = kept
+        extra = [(e["prompt_ids"] + e["response_ids"], [0] * len(e["prompt_ids"]) + [1] * len(e["response_ids"]))
+                 for e in examples]
     for split, items in samples.items():
         encoded = []
         for s in items:
@@ -290,6 +324,12 @@ def build_sft_data(cfg: SFTDataConfig, tokenizer, out: Path, seq_len: int) -> di
             encoded.append((enc.ids, enc.loss_mask))
             key = f"{split}/{s.kind}/{s.thinking_mode}"
             stats[key] = stats.get(key, 0) + 1
+        if split == "train" and extra:
+            fits = [e for e in extra if len(e[0]) <= seq_len]
+            stats["dropped_too_long"] += len(extra) - len(fits)
+            stats["train/self_distill"] = len(fits)
+            encoded += fits
+            random.Random(cfg.seed).shuffle(encoded)    # the distilled examples among the others
         if not encoded:
             raise ValueError(f"sft: no {split} sample fits in seq_len={seq_len}")
         splits[split] = encoded

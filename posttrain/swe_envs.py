@@ -51,7 +51,8 @@ DEFAULT_SOURCES = tuple(Source(name=n, kind="sdist", package=n, version=v, sha25
 class SWEEnvsConfig(StepConfig):
     sources: tuple[Source, ...] = Field(DEFAULT_SOURCES, description="repositories to build environments from "
                                         "(default: seven projects from the package index, pinned)")
-    build: BuildConfig = BuildConfig()
+    build: BuildConfig = Field(BuildConfig(), description=(
+        "how each source becomes environments: mutants tried, instances kept, test runs (rl.swe.build)"))
     workers: int = Field(2, ge=1, description="sources built at once (threads; without `dask`)")
     seed: int = Field(0, description="the order mutants are tried in, held-back tests")
     dask: DaskConfig | None = Field(None, json_schema_extra=OPERATIONAL, description="build the sources as Prefect "

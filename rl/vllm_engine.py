@@ -74,7 +74,7 @@ def check_servable(c: ModelConfig, cfg: VLLMServerSettings, on_gpu: bool) -> Non
     if cfg.checkpoint == "dense_mla" and not on_gpu and c.kv_lora_rank + c.qk_rope_head_dim != CPU_MLA_LATENT:
         raise ValueError(
             f"vLLM on CPU serves MLA only with kv_lora_rank + qk_rope_head_dim = {CPU_MLA_LATENT} (512 + 64); "
-            f"this model has {c.kv_lora_rank} + {c.qk_rope_head_dim} (docs/vllm-cpu.md). Use rollout.backend=native, "
+            f"this model has {c.kv_lora_rank} + {c.qk_rope_head_dim} (docs/guides/vllm.md). Use rollout.backend=native, "
             "or train a model with those latent sizes")
     if not on_gpu and c.n_routed_experts and c.moe_intermediate_size % CPU_MOE_ALIGN:
         raise ValueError(

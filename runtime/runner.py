@@ -44,7 +44,7 @@ from pydantic import BaseModel
 from runtime.gpus import claim_gpus, stage_gpus
 from runtime.tracking import open_tracker
 from runtime.shutdown import Preempted, stop_requested
-from runtime.stage import ProgressFn, StageFn, StageSpec, Workdir, upstream
+from runtime.stage import ProgressFn, StageFn, StageSpec, Workdir, base_name, upstream
 from runtime.store import Lease, Manifest, Store, default_home
 from runtime.store.lease import pid_alive
 
@@ -218,7 +218,7 @@ class Runner:
             persist_checkpoint=mirror.push if mirror else (lambda: None),
             seed=self.seed if spec.seeded else None,
         )
-        inputs = {p: self.store.materialize(m, self.home / "cache") for p, m in parents.items()}
+        inputs = {base_name(p): self.store.materialize(m, self.home / "cache") for p, m in parents.items()}
         with _own_thread_count(), claim_gpus(spec.name, stage_gpus(spec, self.section(spec))):
             metrics = (run or spec.run)(self.section(spec), inputs, workdir)
         manifest = self.store.publish(

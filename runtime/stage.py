@@ -8,7 +8,9 @@ A stage is a plain function in library code:
 
 - `cfg` is the stage's own (pydantic, frozen) config section, already validated.
 - `inputs` maps a parent stage name to the local directory holding that parent's published
-  artifact (already fetched from the store and digest-verified).
+  artifact (already fetched from the store and digest-verified). A stage of a later round of the
+  post-training loop (`sft@2`, glmforge.pipeline) is the same function on other parents: its
+  inputs are keyed by their base names (`inputs["sft"]` is `sft@2`'s artifact in round 2).
 - everything written under `workdir.out` is published atomically as the stage's artifact.
 - `workdir.checkpoint` survives a crash: a retried or resumed stage finds there what the killed
   attempt left, and must continue from it so the result is identical to an uninterrupted run.
@@ -65,6 +67,11 @@ class Workdir:
         checkpoint.mkdir(parents=True, exist_ok=True)
         return Workdir(out=out, checkpoint=checkpoint, progress=self.progress,
                        persist_checkpoint=self.persist_checkpoint, seed=self.seed)
+
+
+def base_name(name: str) -> str:
+    """The stage a round's copy runs: "rl-reasoning@2" -> "rl-reasoning"."""
+    return name.partition("@")[0]
 
 
 class StageFn(Protocol):

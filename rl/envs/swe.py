@@ -26,7 +26,7 @@ in-process forgery is not excluded by this; two signals measure it, never reward
                     failing tests with an assert negated, beside the original): its tests pass
                     only for a cheat. A canary episode is never rewarded; the stage records the
                     share whose tests passed (rl.reward_audit's cheating rate, and its alert).
-See docs/swe-envs.md for the attack suite and what it measured.
+See docs/guides/swe-envs.md for the attack suite and what it measured.
 """
 from __future__ import annotations
 

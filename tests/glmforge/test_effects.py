@@ -18,7 +18,9 @@ def _metrics(**over) -> dict:
         "sft": {"qat_recovery_facts_ppl": 0.8},
         "rl-reasoning": {"reward": {"first": 0.3, "last": 0.6},
                          "heldout_accuracy": {"before": 0.5, "after": 0.8, "gain_in_stderr": 6.0},
-                         "heldout_sampled_accuracy": {"before": 0.4, "after": 0.7, "gain_in_stderr": 9.0}},
+                         "heldout_sampled_accuracy": {"before": 0.4, "after": 0.7, "gain_in_stderr": 9.0,
+                                                      "stderr_after": 0.02}},
+        "rl-reasoning@2": {"heldout_sampled_accuracy": {"after": 0.8, "stderr_after": 0.02}},
         "rl-agentic": {"reward": {"first": 0.5, "last": 0.8},
                        "heldout_accuracy": {"calc": {"before": 0.4, "after": 0.6, "n": 100}},
                        "heldout_sampled_accuracy": {"calc": {"before": 0.5, "after": 0.7, "gain_in_stderr": 4.0}}},
@@ -69,7 +71,7 @@ def test_every_effect_of_a_good_run_is_measured_and_passes():
 def test_a_missed_target_fails_its_row(stage, metrics, effect):
     got = effects.measure(_metrics(**{stage: metrics}))
     assert got[effect]["passed"] is False
-    assert all(v["passed"] for k, v in got.items() if k != effect)
+    assert all(v["passed"] is not False for k, v in got.items() if k != effect)   # no other row fails
 
 
 @pytest.mark.parametrize("before, gain, passed", [(1.0, 0.0, True), (0.96, -1.9, True), (0.96, -2.5, False),
@@ -182,3 +184,15 @@ def test_sweep_stops_at_a_run_that_was_interrupted(tmp_path, monkeypatch):
                                                    "--out", str(tmp_path / "out")])
     assert out.exit_code == 143 and "rerun the sweep to continue" in out.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_the_second_rounds_gain_is_in_standard_errors_and_absent_without_a_second_round():
+    from glmforge.effects import measure
+
+    one = {"rl-reasoning": {"heldout_sampled_accuracy": {"after": 0.5, "stderr_after": 0.03}}}
+    assert measure(one)["self_distill_round_gain"] == {"value": None, "passed": None, "stage": "rl-reasoning@2",
+                                                       "target": "> 2"}
+    two = {**one, "rl-reasoning@2": {"heldout_sampled_accuracy": {"after": 0.62, "stderr_after": 0.04}}}
+    row = measure(two)["self_distill_round_gain"]
+    assert row["value"] == pytest.approx(0.12 / 0.05) and row["passed"] is True
+    assert measure(two, {"rl-reasoning@2"})["self_distill_round_gain"]["passed"] is False

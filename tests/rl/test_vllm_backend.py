@@ -59,7 +59,7 @@ def test_dense_mla_export_is_deepseek_v3_without_indexer_or_mtp(tmp_path):
 
 def test_models_vllm_cannot_serve_are_refused_before_a_server_starts():
     cfg = VLLMConfig()
-    with pytest.raises(ValueError, match=r"512 \+ 64.*32 \+ 16.*docs/vllm-cpu.md"):
+    with pytest.raises(ValueError, match=r"512 \+ 64.*32 \+ 16.*docs/guides/vllm.md"):
         check_servable(tiny().replace(vocab_size=64, num_layers=2), cfg, on_gpu=False)
     check_servable(tiny().replace(vocab_size=64, num_layers=2), cfg, on_gpu=True)
     with pytest.raises(ValueError, match="multiple of 32.*has 48"):
