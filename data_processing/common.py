@@ -42,11 +42,15 @@ class DaskConfig(StepConfig):
     shards_per_task: input shards one Prefect task handles (each other step is cut into the same
     number of tasks); more per task = less Prefect overhead, fewer tasks to spread."""
 
-    address: str | None = None
-    workers: int = Field(default=2, ge=1)
-    threads_per_worker: int = Field(default=1, ge=1)
-    processes: bool = True  # False: worker threads in the flow's process (fast start, for tests)
-    shards_per_task: int = Field(default=1, ge=1)
+    address: str | None = Field(None, description=(
+        "a running Dask scheduler (tcp://scheduler:8786) whose workers run the tasks; unset: a LocalCluster "
+        "started for the stage"))
+    workers: int = Field(default=2, ge=1, description="worker processes of the LocalCluster (address unset)")
+    threads_per_worker: int = Field(default=1, ge=1, description="threads in each LocalCluster worker")
+    processes: bool = Field(True, description=(
+        "LocalCluster workers as processes; False: threads in the flow's process (fast start, for tests)"))  # False: worker threads in the flow's process (fast start, for tests)
+    shards_per_task: int = Field(default=1, ge=1, description=(
+        "input shards one Prefect task handles; more per task: less Prefect overhead, fewer tasks to spread"))
     partitions: int = Field(default=0, ge=0, description="exact-dedup shuffle partitions; 0 = one per task")
 
     @field_validator("address")
@@ -134,13 +138,19 @@ class TextSource(StepConfig):
         class for the quality classifier: same vocabulary, no syntax.
     """
 
-    path: str
-    glob: str = "*"
-    fields: tuple[str, ...] = ("text",)
-    unit: Literal["file", "paragraph", "line", "docstring"] = "file"
-    transform: Literal["none", "shuffle_words"] = "none"
-    min_chars: int = Field(default=1, ge=0)
-    limit: int | None = Field(default=None, ge=1)
+    path: str = Field(description="a file or directory; {stdlib} and {samples} are expanded")
+    glob: str = Field("*", description="the files to take inside a directory (sorted, so the choice is reproducible)")
+    fields: tuple[str, ...] = Field(("text",), description=(
+        "for .jsonl/.json: the keys whose string values are joined into one text (dotted keys reach nested "
+        "objects); [\"*\"]: the raw JSON record"))
+    unit: Literal["file", "paragraph", "line", "docstring"] = Field("file", description=(
+        "how a file becomes texts: the whole file, blank-line paragraphs, lines, or (for .py) its "
+        "docstrings"))
+    transform: Literal["none", "shuffle_words"] = Field("none", description=(
+        "shuffle_words: each text's words shuffled (seeded), a real-text negative class for the quality "
+        "classifier"))
+    min_chars: int = Field(default=1, ge=0, description="texts shorter than this (after stripping) are dropped")
+    limit: int | None = Field(default=None, ge=1, description="at most this many texts from the source; null: all")
 
     @field_validator("path")
     @classmethod

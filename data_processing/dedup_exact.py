@@ -22,9 +22,11 @@ from runtime.stage import OPERATIONAL, Workdir
 
 
 class DedupExactConfig(StepConfig):
-    shard_size: int = Field(default=10_000, ge=1)
+    shard_size: int = Field(default=10_000, ge=1, description="documents per output Parquet shard")
     # set: the stage runs sharded on Dask when it runs as a Prefect task (same output, not in the key)
-    dask: DaskConfig | None = Field(default=None, json_schema_extra=OPERATIONAL)
+    dask: DaskConfig | None = Field(default=None, json_schema_extra=OPERATIONAL, description=(
+        "set: the stage runs sharded on Dask when it runs as a Prefect task (same output; operational, not "
+        "in the key)"))
 
 
 def text_key(text: str) -> bytes:

@@ -40,8 +40,11 @@ class SourceConfig(BaseModel):
 
     name: str = Field(description="label stored in each document's `source` column")
     path: str = Field(description="file, folder, glob-free prefix or s3:// URI; `{stdlib}` = Python's stdlib dir")
-    format: Literal["auto", "jsonl", "parquet", "text"] = "auto"
-    text_field: str = "text"
+    format: Literal["auto", "jsonl", "parquet", "text"] = Field("auto", description=(
+        "how the files are read; auto: by extension (.jsonl/.ndjson/.json as JSONL, .parquet as Parquet, "
+        "anything else as plain text)"))
+    text_field: str = Field("text", description=(
+        "the record field holding the text (JSONL and Parquet); records without it are quarantined"))
     text_template: str | None = Field(
         default=None, description='build text from several fields, e.g. "{title}\\n\\n{body}" (null fields become "")'
     )
@@ -52,8 +55,10 @@ class SourceConfig(BaseModel):
         "get <name>/<file>#L<line>; a repeated id stops the run naming both places",
         exclude_if=lambda v: not v,  # left out of the dump when off, so existing stage keys stay the same
     )
-    include: str = "*"  # filename pattern for folders, e.g. "*.py"
-    max_documents: int | None = Field(default=None, gt=0)
+    include: str = Field("*", description=(
+        "filename pattern of the files taken in a folder or under an s3:// prefix, e.g. \"*.py\""))
+    max_documents: int | None = Field(default=None, gt=0, description=(
+        "stop reading the source after this many documents; null: all"))
     max_file_bytes: int = Field(default=1_000_000, gt=0, description="text files above this go to quarantine")
     split_on: str | None = Field(default=None, description="plain text: split each file into records at this separator")
     repo: str | None = Field(
@@ -71,7 +76,8 @@ class SourceConfig(BaseModel):
 class IngestConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    sources: list[SourceConfig] = Field(min_length=1)
+    sources: list[SourceConfig] = Field(min_length=1, description=(
+        "the raw sources, read in this order (at least one)"))
     shard_size: int = Field(default=2000, gt=0, description="documents per Parquet shard")
 
 

@@ -55,10 +55,11 @@ _HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+\d+(?:,\d+)? @@ ?(?P<ctx>.*)$")
 
 class IssuePRConfig(StepConfig):
     issues: tuple[str, ...] = Field(description="JSONL files of GitHub REST issue/PR objects")
-    pr_files: tuple[str, ...] = ()
+    pr_files: tuple[str, ...] = Field((), description=(
+        "JSONL files of PR file lists (GET /repos/o/r/pulls/n/files), one line per PR"))
     default_repo: str | None = Field(default=None, description="owner/repo for objects that carry no URL")
     require_patch: bool = Field(default=True, description="skip pairs whose PR has no file list")
-    shard_size: int = Field(default=10_000, ge=1)
+    shard_size: int = Field(default=10_000, ge=1, description="documents (one per pair) per output Parquet shard")
 
     @field_validator("issues")
     @classmethod

@@ -53,24 +53,35 @@ _SHINGLE_BASE = np.uint64(0x9E3779B97F4A7C15)
 
 
 class MinHashConfig(StepConfig):
-    shingle: Literal["word", "char"] = "word"
+    shingle: Literal["word", "char"] = Field("word", description="shingles of words or of characters")
     ngram: int = Field(default=5, ge=1, description="words (or characters) per shingle")
     # datatrove maps every number to "0" before shingling; off by default because documents
     # that differ only in their numbers (GSM8K problems from one template, version tables) are
     # different data, not duplicates
-    norm_numbers: bool = False
-    bands: int = Field(default=14, ge=1)
-    rows: int = Field(default=8, ge=1)
-    verify_threshold: float | None = Field(default=0.7, ge=0.0, le=1.0)
-    backend: Literal["numpy", "datasketch"] = "numpy"
-    lsh_storage: Literal["memory", "redis"] = "memory"
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    seed: int = 1
+    norm_numbers: bool = Field(False, description=(
+        "map every number to \"0\" before shingling (datatrove's choice); off: documents differing only in "
+        "their numbers are not duplicates"))
+    bands: int = Field(default=14, ge=1, description="LSH bands; bands x rows = the permutations in a signature")
+    rows: int = Field(default=8, ge=1, description=(
+        "signature rows per LSH band: two documents are candidates when all rows of one band agree"))
+    verify_threshold: float | None = Field(default=0.7, ge=0.0, le=1.0, description=(
+        "drop candidate pairs whose estimated Jaccard (share of equal signature slots) is below this; null: "
+        "keep every LSH candidate"))
+    backend: Literal["numpy", "datasketch"] = Field("numpy", description=(
+        "numpy: the vectorised signatures; datasketch: datasketch MinHash objects (slower, for "
+        "cross-checking; needed for lsh_storage redis)"))
+    lsh_storage: Literal["memory", "redis"] = Field("memory", description=(
+        "where the LSH index lives: in memory, or Redis (datasketch's MinHashLSH, backend datasketch)"))
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="the Redis server of lsh_storage redis")
+    seed: int = Field(1, description="seed of the hash permutations")
     # processes computing signatures; same output whatever the count, so not in the key
-    workers: int = Field(default=1, ge=1, json_schema_extra=OPERATIONAL)
-    shard_size: int = Field(default=10_000, ge=1)
+    workers: int = Field(default=1, ge=1, json_schema_extra=OPERATIONAL, description=(
+        "processes computing signatures (same output whatever the count; operational, not in the key)"))
+    shard_size: int = Field(default=10_000, ge=1, description="documents per output Parquet shard")
     # set: the stage runs sharded on Dask when it runs as a Prefect task (same output, not in the key)
-    dask: DaskConfig | None = Field(default=None, json_schema_extra=OPERATIONAL)
+    dask: DaskConfig | None = Field(default=None, json_schema_extra=OPERATIONAL, description=(
+        "set: the stage runs sharded on Dask when it runs as a Prefect task (backend numpy; same output, "
+        "not in the key)"))
 
     @property
     def num_perm(self) -> int:

@@ -47,15 +47,21 @@ META = "meta.json"
 
 
 class PackConfig(StepConfig):
-    seq_len: int = Field(default=512, ge=8)
-    val_fraction: float = Field(default=0.02, ge=0.0, lt=1.0)
-    upsample: bool = True
-    repo_level: bool = False
-    fim_rate: float = Field(default=0.0, ge=0.0, le=1.0)
-    spm_rate: float = Field(default=0.5, ge=0.0, le=1.0)
-    code_sources: tuple[str, ...] = ("code", "stdlib", "issue-pr")
-    sequences_per_shard: int = Field(default=8192, ge=1)
-    seed: int = 0
+    seq_len: int = Field(default=512, ge=8, description="tokens per packed sequence")
+    val_fraction: float = Field(default=0.02, ge=0.0, lt=1.0, description=(
+        "share of documents (seeded, before up-sampling) that go to the validation split"))
+    upsample: bool = Field(True, description=(
+        "repeat train documents by their quality weight (floor(w) copies plus one with probability frac(w))"))
+    repo_level: bool = Field(False, description=(
+        "concatenate the files of one repository (metadata repo) into one document"))
+    fim_rate: float = Field(default=0.0, ge=0.0, le=1.0, description=(
+        "share of code documents turned into fill-in-the-middle examples"))
+    spm_rate: float = Field(default=0.5, ge=0.0, le=1.0, description=(
+        "share of the fill-in-the-middle examples in SPM layout (the rest PSM)"))
+    code_sources: tuple[str, ...] = Field(("code", "stdlib", "issue-pr"), description=(
+        "document sources that are code (for fill-in-the-middle; ids ending in .py are code too)"))
+    sequences_per_shard: int = Field(default=8192, ge=1, description="sequences per on-disk shard")
+    seed: int = Field(0, description="seed of the split, up-sampling, fill-in-the-middle and shuffle")
 
     @model_validator(mode="after")
     def _check(self) -> "PackConfig":

@@ -44,16 +44,20 @@ SCORE_BATCH = 1000  # documents per fastText predict call
 
 
 class ClassifierConfig(StepConfig):
-    name: str
-    positives: tuple[TextSource, ...]
-    negatives: tuple[TextSource, ...]
-    threshold: float = Field(default=0.5, ge=0.0, le=1.0)
+    name: str = Field(description=(
+        "the classifier's name: its score's key in metadata[\"quality\"][\"scores\"] and its file "
+        "classifiers/NAME.bin"))
+    positives: tuple[TextSource, ...] = Field(description="text sources of the positive (wanted) class")
+    negatives: tuple[TextSource, ...] = Field(description="text sources of the negative class")
+    threshold: float = Field(default=0.5, ge=0.0, le=1.0, description=(
+        "P(positive) at which the held-out precision and recall are reported"))
     # fastText hyper-parameters; bucket 100k keeps a wordNgrams=2 model ~10-50 MB, not 400+.
-    dim: int = Field(default=64, ge=2)
-    epoch: int = Field(default=15, ge=1)
-    lr: float = Field(default=0.2, gt=0.0)
-    word_ngrams: int = Field(default=2, ge=1)
-    bucket: int = Field(default=100_000, ge=1000)
+    dim: int = Field(default=64, ge=2, description="fastText word-vector size")
+    epoch: int = Field(default=15, ge=1, description="fastText training epochs")
+    lr: float = Field(default=0.2, gt=0.0, description="fastText learning rate")
+    word_ngrams: int = Field(default=2, ge=1, description="fastText word n-gram length (2: words and word pairs)")
+    bucket: int = Field(default=100_000, ge=1000, description=(
+        "fastText hash buckets for n-grams (100k keeps a wordNgrams=2 model about 10-50 MB, not 400+)"))
     max_chars: int = Field(default=4000, ge=100, description="text fed to fastText is cut here")
 
     @field_validator("name")
@@ -72,16 +76,24 @@ class ClassifierConfig(StepConfig):
 
 
 class QualityConfig(StepConfig):
-    classifiers: tuple[ClassifierConfig, ...]
-    combine: Literal["max", "mean", "min"] = "mean"
-    mode: Literal["filter", "upsample"] = "upsample"
+    classifiers: tuple[ClassifierConfig, ...] = Field(description=(
+        "the fastText classifiers every document is scored by (at least one, unique names)"))
+    combine: Literal["max", "mean", "min"] = Field("mean", description=(
+        "how the classifiers' scores become the document's one score"))
+    mode: Literal["filter", "upsample"] = Field("upsample", description=(
+        "filter: drop documents whose combined score is below threshold; upsample: keep all, weighted by "
+        "score bucket"))
     threshold: float = Field(default=0.5, ge=0.0, le=1.0, description="mode filter: keep combined score >= this")
-    bucket_edges: tuple[float, ...] = (0.25, 0.5, 0.75)
-    bucket_weights: tuple[float, ...] = (0.5, 1.0, 1.5, 2.0)
-    holdout: float = Field(default=0.2, gt=0.0, lt=1.0)
-    seed: int = 0
+    bucket_edges: tuple[float, ...] = Field((0.25, 0.5, 0.75), description=(
+        "mode upsample: increasing scores inside (0, 1) that split [0, 1] into buckets"))
+    bucket_weights: tuple[float, ...] = Field((0.5, 1.0, 1.5, 2.0), description=(
+        "mode upsample: one weight per bucket (len(bucket_edges) + 1); pack repeats a document this often "
+        "in expectation"))
+    holdout: float = Field(default=0.2, gt=0.0, lt=1.0, description=(
+        "fraction of each classifier's labelled texts held out (seeded) for precision and recall"))
+    seed: int = Field(0, description="seed of the held-out split, the sources' sampling and fastText's training")
     threads: int = Field(default=1, ge=1, description="fastText threads; 1 is bit-reproducible")
-    shard_size: int = Field(default=10_000, ge=1)
+    shard_size: int = Field(default=10_000, ge=1, description="documents per output Parquet shard")
 
     @model_validator(mode="after")
     def _check(self) -> "QualityConfig":

@@ -29,16 +29,21 @@ from runtime.stage import Workdir
 
 
 class SemanticConfig(StepConfig):
-    embedder: Literal["model2vec", "minilm"] = "model2vec"
-    cache_dir: str = "~/.cache/glmforge/embedders"
+    embedder: Literal["model2vec", "minilm"] = Field("model2vec", description=(
+        "model2vec: a static model distilled from all-MiniLM-L6-v2 (fast, cached); minilm: the full "
+        "sentence-transformers model (better, slower)"))
+    cache_dir: str = Field("~/.cache/glmforge/embedders", description=(
+        "where the distilled model2vec embedder is cached and reused"))
     pca_dims: int = Field(default=128, ge=8, description="model2vec distillation: output dimension")
     max_chars: int = Field(default=2000, ge=50, description="text embedded per document (its start)")
-    clusters: int = Field(default=16, ge=1)
-    kmeans_iters: int = Field(default=20, ge=1)
-    threshold: float = Field(default=0.95, gt=0.0, le=1.0)
-    batch_size: int = Field(default=256, ge=1)
-    seed: int = 0
-    shard_size: int = Field(default=10_000, ge=1)
+    clusters: int = Field(default=16, ge=1, description=(
+        "k-means centroids: documents are compared only inside their cluster"))
+    kmeans_iters: int = Field(default=20, ge=1, description="k-means iterations")
+    threshold: float = Field(default=0.95, gt=0.0, le=1.0, description=(
+        "a document is removed when its cosine similarity to a better one of its cluster is at least this"))
+    batch_size: int = Field(default=256, ge=1, description="documents per model2vec encoding batch")
+    seed: int = Field(0, description="seed of the k-means initialisation")
+    shard_size: int = Field(default=10_000, ge=1, description="documents per output Parquet shard")
 
 
 def _minilm_dir() -> Path:

@@ -49,10 +49,11 @@ TOKENIZER_FILE = "tokenizer.json"
 
 
 class TokenizeConfig(StepConfig):
-    vocab_size: int = Field(default=8192, ge=len(SPECIAL_TOKENS) + 256 + 1)
-    min_frequency: int = Field(default=2, ge=1)
+    vocab_size: int = Field(default=8192, ge=len(SPECIAL_TOKENS) + 256 + 1, description=(
+        "BPE vocabulary size, special tokens and the 256 bytes included"))
+    min_frequency: int = Field(default=2, ge=1, description="pairs seen fewer times than this are not merged")
     max_training_chars: int = Field(default=50_000_000, ge=1000, description="train on at most this much text (a seeded sample)")
-    seed: int = 0
+    seed: int = Field(0, description="seed of the training sample (max_training_chars)")
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192, min_frequency: int = 2):

@@ -404,17 +404,24 @@ class PlanConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model_preset: Literal["tiny", "small", "glm5"] = "glm5"
-    model_overrides: dict = Field(default_factory=dict)
-    nodes: int = Field(1, ge=1)
-    gpus_per_node: int = Field(8, ge=1)
-    zero_stage: Literal[0, 1, 2, 3] = 2
+    model_preset: Literal["tiny", "small", "glm5"] = Field("glm5", description=(
+        "the model the plan sizes (model.config presets)"))
+    model_overrides: dict = Field(default_factory=dict, description=(
+        "ModelConfig fields changed from the preset, e.g. {dense_attention: true}"))
+    nodes: int = Field(1, ge=1, description="nodes in the cluster")
+    gpus_per_node: int = Field(8, ge=1, description="GPUs on each node (ranks per node)")
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description=(
+        "DeepSpeed ZeRO stage the memory plan assumes (optimizer state, gradients, parameters sharded)"))
     ep: int = Field(1, ge=1, description="expert-parallel group size (routed experts sharded over it)")
-    micro_batch_size: int = Field(1, ge=1)
-    seq_len: int = Field(4096, ge=1)
-    activation_checkpointing: bool = True
-    optimizer: Literal["muon", "adamw"] = "muon"
-    gpu_mem_gb: Literal[80, 141] = 80
+    micro_batch_size: int = Field(1, ge=1, description="sequences per rank per step")
+    seq_len: int = Field(4096, ge=1, description="tokens per training sequence")
+    activation_checkpointing: bool = Field(True, description=(
+        "recompute activations in the backward pass (the plan keeps one layer's activations instead of "
+        "every layer's)"))
+    optimizer: Literal["muon", "adamw"] = Field("muon", description=(
+        "muon (Muon, with AdamW for embeddings, head and vectors) or adamw: the optimizer state the plan "
+        "holds"))
+    gpu_mem_gb: Literal[80, 141] = Field(80, description="memory of one GPU in GB: 80 (H100) or 141 (H200)")
     rollout_tokens: int = Field(0, ge=0, description="latent KV-cache tokens per GPU during RL rollouts")
     sync_gb_per_s: float = Field(50.0, gt=0, description="GB/s of a GPU's link for the RL weight sync")
 

@@ -66,13 +66,14 @@ class QATConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     group_size: int = Field(32, ge=2, description="input columns per scale (torchao int4 QAT default 32)")
-    experts: bool = True
-    attention: bool = True
-    indexer: bool = False
-    dense_mlp: bool = True
-    mtp: bool = True
-    head: bool = False
-    embeddings: bool = False
+    experts: bool = Field(True, description="quantize the routed experts (packed) and the shared experts")
+    attention: bool = Field(True, description="quantize the MLA attention projections")
+    indexer: bool = Field(False, description=(
+        "quantize the DSA lightning indexer (off: it ranks keys for top-k, small and precision-sensitive)"))
+    dense_mlp: bool = Field(True, description="quantize the MLP of the first_k_dense layers")
+    mtp: bool = Field(True, description="quantize the MTP module (its layers by kind, plus eh_proj)")
+    head: bool = Field(False, description="quantize lm_head")
+    embeddings: bool = Field(False, description="quantize embed_tokens")
 
     @field_validator("group_size")
     @classmethod

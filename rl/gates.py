@@ -58,7 +58,7 @@ class GateEvalConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     arithmetic: int = Field(200, ge=1, description="held-out addition prompts")
-    gsm8k_path: str = "{samples}/gsm8k/test.jsonl"
+    gsm8k_path: str = Field("{samples}/gsm8k/test.jsonl", description="GSM8K test questions ({samples} expands)")
     # sized so that each accuracy's noise (2 standard errors of a difference) is below its default
     # tolerance where the tiny model's shares sit: gsm8k near 0 (at n 32 the demo's 0.05-0.07
     # gave 0.105-0.121, above the 0.1 tolerance, on three stages: 0.06-0.07 at n 96, and below
@@ -67,15 +67,16 @@ class GateEvalConfig(BaseModel):
     # where it is not
     gsm8k: int = Field(96, ge=1, description="GSM8K test questions (accuracy and perplexity)")
     tool: int = Field(64, ge=1, description="GSM8K test questions offered the calculator (tool_call_validity)")
-    gsm8k_max_new_tokens: int = Field(48, ge=1)
-    tool_max_new_tokens: int = Field(32, ge=1)
+    gsm8k_max_new_tokens: int = Field(48, ge=1, description="generation budget per GSM8K answer")
+    tool_max_new_tokens: int = Field(32, ge=1, description="generation budget per reply to a calculator-tool prompt")
     batch: int = Field(64, ge=1, description="sequences per forward / generate call")
 
 
 class GateConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    evals: GateEvalConfig = GateEvalConfig()
+    evals: GateEvalConfig = Field(GateEvalConfig(), description=(
+        "the evaluations measured on the stage's input model (before) and its result (after)"))
     tolerances: dict[str, float] = Field(
         {"arithmetic_acc": 0.1, "gsm8k_acc": 0.1, "heldout_ppl": 0.25, "tool_call_validity": 0.2},
         description="eval -> allowed regression (absolute for accuracies, relative for perplexity)")

@@ -129,8 +129,10 @@ class ParallelConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    launch: LaunchConfig = LaunchConfig()
-    zero_stage: Literal[0, 1, 2] = 0
+    launch: LaunchConfig = Field(LaunchConfig(), description=(
+        "how the trainer's ranks are started (one rank: in the stage's process)"))
+    zero_stage: Literal[0, 1, 2] = Field(0, description=(
+        "DeepSpeed ZeRO stage of the trainer's engine (more than one rank)"))
     expert_parallel: int = Field(1, ge=1, description="ranks each MoE layer's experts are sharded over (divides "
                                  "the rank count and the model's n_routed_experts)")
 

@@ -49,8 +49,8 @@ class RolloutConfig(BaseModel):
         "of inference servers (`servers`: the project's engine or vLLM) the stage starts and stops while the "
         "trainer's ranks only train (rl.served); vllm: vLLM servers reloaded from a whole-model export the "
         "stage's process writes each version (rl.vllm_engine; `make vllm-setup`)"))
-    vllm: VLLMConfig = VLLMConfig()
-    servers: ServerPoolConfig = ServerPoolConfig()
+    vllm: VLLMConfig = Field(VLLMConfig(), description="the vLLM servers of backend vllm")
+    servers: ServerPoolConfig = Field(ServerPoolConfig(), description="the server pool of backend served")
 
 
 def open_engine(cfg: RolloutConfig, policy: GLMModel, tokenizer, stop_ids: list[int], pad_id: int, root: Path, *,

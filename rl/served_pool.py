@@ -54,10 +54,14 @@ class ServerPoolConfig(BaseModel):
                         "every byte")
     full_every: int = Field(10, ge=1, description="a whole version every N syncs (the chain a restarted "
                             "server replays stays short)")
-    bucket_bytes: int = Field(weight_sync.DEFAULT_BUCKET_BYTES, ge=1 << 10)
+    bucket_bytes: int = Field(weight_sync.DEFAULT_BUCKET_BYTES, ge=1 << 10, description=(
+        "bytes per safetensors bucket file a rank writes of a published weight version (a larger tensor "
+        "alone in its own)"))
     restarts: int = Field(2, ge=0, description="times a dead server is started again before the stage fails")
-    startup_timeout_s: float = Field(120.0, gt=0)
-    request_timeout_s: float = Field(600.0, gt=0)
+    startup_timeout_s: float = Field(120.0, gt=0, description=(
+        "seconds a server may take to become healthy after it starts"))
+    request_timeout_s: float = Field(600.0, gt=0, description=(
+        "seconds one request to a server (a generation, a weight load) may take"))
 
     @model_validator(mode="after")
     def _layout(self) -> "ServerPoolConfig":

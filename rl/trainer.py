@@ -60,9 +60,9 @@ class OptimConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     lr: float = Field(1e-6, ge=0, description="0: the control run (rollouts and rewards without learning)")
-    betas: tuple[float, float] = (0.9, 0.98)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
+    betas: tuple[float, float] = Field((0.9, 0.98), description="AdamW's beta1, beta2")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay")
+    grad_clip: float = Field(1.0, gt=0, description="the gradients' global norm is clipped to this before each step")
 
 
 def build_optimizer(module: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:

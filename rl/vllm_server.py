@@ -51,7 +51,8 @@ class VLLMServerSettings(BaseModel):
     checkpoint: Literal["dense_mla", "glm_moe_dsa"] = Field("dense_mla", description=(
         "the format the policy is served in: dense_mla (DeepSeek-V3's architecture, indexer dropped: vLLM "
         "serves it on CPU and GPU) or glm_moe_dsa (GLM-5's sparse attention: vLLM on GPUs)"))
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field("float32", description=(
+        "vLLM's --dtype: the precision the server computes in"))
     attention_backend: Optional[str] = Field(None, description=(
         "vLLM's --attention-backend (null: vLLM's choice, except float32 on CPU: CPU_MLA, because on CPUs with "
         "AMX vLLM picks AMX_MLA, which refuses float32 weights at start-up)"))
@@ -69,8 +70,9 @@ class VLLMConfig(VLLMServerSettings):
     urls: list[str] = Field([], description="servers someone else runs (then none is started); they must read "
                             "the published weights' path")
     concurrency: int = Field(64, ge=1, description="requests in flight per stage")
-    startup_timeout_s: float = Field(900.0, gt=0)
-    request_timeout_s: float = Field(900.0, gt=0)
+    startup_timeout_s: float = Field(900.0, gt=0, description=(
+        "seconds a server may take to become healthy after it starts"))
+    request_timeout_s: float = Field(900.0, gt=0, description="seconds one request to a server may take")
     pause_mode: Literal["wait", "abort", "keep"] = Field("wait", description="in-flight requests at a weight "
                                                          "update: finish them, abort them, or freeze them")
     restarts: int = Field(2, ge=0, description="times a dead server is restarted before the stage fails")

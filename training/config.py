@@ -49,9 +49,11 @@ class LaunchConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    launcher: Literal["torchrun", "deepspeed"] = "torchrun"
+    launcher: Literal["torchrun", "deepspeed"] = Field("torchrun", description=(
+        "torchrun (torchrun's environment; on one node training.spawn starts the ranks) or deepspeed (the "
+        "DeepSpeed launcher over a hostfile)"))
     nproc_per_node: int = Field(1, ge=1, description="ranks per node (GPUs per node on a cluster)")
-    nnodes: int = Field(1, ge=1)
+    nnodes: int = Field(1, ge=1, description="nodes the ranks run on")
     node_rank: int = Field(0, ge=0, description="torchrun multi-node: this node's rank")
     hostfile: str | None = Field(None, description="DeepSpeed launcher: 'host slots=N' per line")
     master_addr: str | None = Field(None, description="None: 127.0.0.1 (torchrun, one node) or the "
@@ -80,32 +82,42 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     # ---- batch: global batch = micro_batch_size * grad_accum * world_size sequences
-    micro_batch_size: int = Field(4, ge=1)
-    grad_accum: int = Field(1, ge=1)
+    micro_batch_size: int = Field(4, ge=1, description=(
+        "sequences per rank per forward/backward pass (global batch = micro_batch_size x grad_accum x world "
+        "size)"))
+    grad_accum: int = Field(1, ge=1, description="micro-batches whose gradients are summed into one optimizer step")
     # ---- length: at most max_steps, and at most token_budget tokens when one is given
-    max_steps: int = Field(1000, ge=1)
+    max_steps: int = Field(1000, ge=1, description="optimizer steps to run (fewer when token_budget runs out first)")
     token_budget: int | None = Field(None, ge=1, description="tokens to train on (all ranks)")
 
     # ---- optimizer
-    optimizer: Optimizer = "muon_split"
-    lr: float = Field(3e-3, gt=0)
-    weight_decay: float = Field(0.1, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(1e-8, gt=0)
-    momentum: float = Field(0.95, ge=0, lt=1)
+    optimizer: Optimizer = Field("muon_split", description=(
+        "muon / muon_split (training.optim: Muon, or GLM-5's Muon Split per attention head, with AdamW for "
+        "the rest; ZeRO 0), deepspeed_muon (DeepSpeed's Muon, ZeRO 0-2) or adamw"))
+    lr: float = Field(3e-3, gt=0, description=(
+        "peak learning rate (Muon reuses AdamW's: its update is scaled to AdamW's RMS)"))
+    weight_decay: float = Field(0.1, ge=0, description="decoupled weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW's beta1, beta2 (the parameters AdamW updates)")
+    eps: float = Field(1e-8, gt=0, description="AdamW's epsilon")
+    momentum: float = Field(0.95, ge=0, lt=1, description="Muon's (Nesterov) momentum")
     grad_clip: float = Field(1.0, ge=0, description="global-norm clipping; 0 = off")
 
     # ---- LR schedule: linear warm-up, then cosine to min_lr_ratio*lr, or WSD (stable, then a
     # linear decay over the last decay_fraction of the steps)
-    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    decay_fraction: float = Field(0.2, gt=0, le=1)
+    schedule: Literal["cosine", "wsd", "constant"] = Field("cosine", description=(
+        "cosine: linear warm-up then cosine to min_lr_ratio x lr; wsd: warm-up, stable, then linear decay "
+        "over the last decay_fraction of the steps; constant"))
+    warmup_steps: int = Field(0, ge=0, description="steps of linear learning-rate warm-up")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description=(
+        "the learning rate at the end of the decay, as a fraction of lr"))
+    decay_fraction: float = Field(0.2, gt=0, le=1, description=(
+        "schedule wsd: the last fraction of the steps over which the learning rate decays"))
 
     # ---- DeepSpeed
-    zero_stage: Literal[0, 1, 2] = 0
+    zero_stage: Literal[0, 1, 2] = Field(0, description=(
+        "DeepSpeed ZeRO stage (0 for the client Muon optimizers; 3 is refused)"))
     precision: Literal["fp32", "bf16"] = Field("fp32", description="fp32 on CPU, bf16 on GPU")
-    launch: LaunchConfig = LaunchConfig()
+    launch: LaunchConfig = Field(LaunchConfig(), description="how the ranks are started (one node or several)")
     # Part of the stage key, not OPERATIONAL: the losses match expert_parallel 1 only within float
     # tolerance (all-to-all dispatch sums in another order), and checkpoints hold one file per
     # expert shard, so a run resumes only with the value it was written with.
@@ -165,8 +177,10 @@ class PretrainConfig(TrainConfig):
     model gets exactly the tokenizer's vocabulary unless model_overrides sets a larger one
     (padding to a multiple of 64 is a common choice); a smaller one is an error."""
 
-    model_preset: Literal["tiny", "small", "glm5"] = "tiny"
-    model_overrides: dict[str, Any] = Field(default_factory=dict)
+    model_preset: Literal["tiny", "small", "glm5"] = Field("tiny", description=(
+        "the model shape (model.config presets); vocab_size comes from the tokenizer"))
+    model_overrides: dict[str, Any] = Field(default_factory=dict, description=(
+        "ModelConfig fields changed from the preset, e.g. {num_layers: 4}"))
     synthetic: SyntheticConfig | None = Field(None, description="synthetic token tasks added to the "
                                               "packed text (training.synthetic); reserves ids above the tokenizer's")
 
@@ -200,10 +214,11 @@ at a line end to fit); each kept
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    sources: dict[str, float] = Field(default_factory=lambda: {"issue-pr": 3.0, "code": 2.0, "stdlib": 2.0})
-    default_weight: float = Field(1.0, ge=0)
-    long_chars: int = Field(8000, ge=1)
-    long_weight: float = Field(2.0, ge=0)
+    sources: dict[str, float] = Field(default_factory=lambda: {"issue-pr": 3.0, "code": 2.0, "stdlib": 2.0}, description=(
+        "weight of a document by its source (times its quality weight)"))
+    default_weight: float = Field(1.0, ge=0, description="weight of a document whose source is not in sources")
+    long_chars: int = Field(8000, ge=1, description="documents with at least this many characters count as long")
+    long_weight: float = Field(2.0, ge=0, description="extra weight factor of a long document")
     min_chars: int = Field(0, ge=0, description="documents shorter than this are left out")
     max_chars: int | None = Field(None, ge=1, description="cap on the characters packed (the "
                                   "heaviest documents first, before repetition); None = all")
@@ -224,9 +239,11 @@ class RetrievalDocsConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    lengths: tuple[int, ...] = (256, 512)
+    lengths: tuple[int, ...] = Field((256, 512), description=(
+        "prompt lengths (tokens) of the synthetic retrieval documents; each must stay below seq_len"))
     docs_per_task: int = Field(50, ge=0, description="per length and task; 0 = none")
-    tasks: tuple[str, ...] = long_context.TASKS
+    tasks: tuple[str, ...] = Field(long_context.TASKS, description=(
+        "retrieval tasks the documents are drawn from (evals.long_context.TASKS)"))
     key_value_docs: int = Field(0, ge=0, description="dense key-value recall documents "
                                 "(evals.long_context.key_value_documents)")
     seed: int = Field(1, description="the evaluation suite has its own seed; keys never overlap")
@@ -241,10 +258,12 @@ class LongDataConfig(TrainConfig):
     """A phase trained on long sequences packed here from the curated documents (the long-context
     mix), plus synthetic retrieval documents."""
 
-    seq_len: int = Field(1024, ge=16)
-    mix: MixConfig = MixConfig()
-    val_fraction: float = Field(0.05, gt=0, lt=1)
-    retrieval: RetrievalDocsConfig = RetrievalDocsConfig(docs_per_task=0)
+    seq_len: int = Field(1024, ge=16, description="tokens per packed sequence of this phase")
+    mix: MixConfig = Field(MixConfig(), description=(
+        "sampling weights of the long-context mix packed from the curated documents"))
+    val_fraction: float = Field(0.05, gt=0, lt=1, description="share of the packed documents kept for validation")
+    retrieval: RetrievalDocsConfig = Field(RetrievalDocsConfig(docs_per_task=0), description=(
+        "synthetic retrieval documents mixed into the phase's data (none by default)"))
     synthetic: SyntheticConfig | None = Field(None, description="synthetic token tasks at this phase's "
                                               "seq_len; the model must have been pretrained with them")
 
@@ -262,4 +281,5 @@ class ContextConfig(LongDataConfig):
     """One context-extension phase: continue from the previous stage's weights on longer
     sequences with a larger RoPE base."""
 
-    rope_theta: float = Field(50000.0, gt=0)
+    rope_theta: float = Field(50000.0, gt=0, description=(
+        "the RoPE base of this phase (a larger base for longer sequences)"))

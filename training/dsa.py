@@ -62,14 +62,15 @@ class LongEvalConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    lengths: tuple[int, ...] = (256, 512, 1024)
-    n_per_task: int = Field(10, ge=1)
+    lengths: tuple[int, ...] = Field((256, 512, 1024), description=(
+        "prompt lengths (tokens) the suite is generated at"))
+    n_per_task: int = Field(10, ge=1, description="examples per task and length")
     tasks: tuple[str, ...] = Field(long_context.TASKS, description="the text (needle) tasks; may be "
                                    "empty when mqar_docs > 0")
     mqar_docs: int = Field(0, ge=0, description="MQAR documents per length (training.synthetic layout, "
                            "every key queried once); needs a model pretrained with synthetic data")
-    mqar_pairs: int = Field(16, ge=1, le=synthetic.KEYS)
-    seed: int = 0
+    mqar_pairs: int = Field(16, ge=1, le=synthetic.KEYS, description="key-value pairs per MQAR document")
+    seed: int = Field(0, description="seed of the suite's generation")
     swa_fraction: float = Field(0.25, gt=0, lt=1, description="SWA window = this x the shortest length")
 
     @model_validator(mode="after")
@@ -85,14 +86,17 @@ class LongEvalConfig(BaseModel):
 class DsaDataConfig(LongDataConfig):
     """What both DSA stages share: the packed long-context mix plus retrieval documents."""
 
-    retrieval: RetrievalDocsConfig = RetrievalDocsConfig()
+    retrieval: RetrievalDocsConfig = Field(RetrievalDocsConfig(), description=(
+        "synthetic retrieval documents mixed into both DSA stages' data"))
 
 
 class DsaWarmupConfig(DsaDataConfig):
     """Stage 1 (GLM-5 / DeepSeek-V3.2: lr 1e-3, dense attention, indexer only)."""
 
-    lr: float = Field(1e-3, gt=0)
-    optimizer: Optimizer = "adamw"
+    lr: float = Field(1e-3, gt=0, description=(
+        "peak learning rate of the indexer warm-up (GLM-5 / DeepSeek-V3.2: 1e-3)"))
+    optimizer: Optimizer = Field("adamw", description=(
+        "the warm-up trains the indexer only, with AdamW by default (see the training stages' optimizer)"))
     probe_sequences: int = Field(8, ge=1, description="held-out sequences for KL/recall before and after")
 
 
@@ -102,7 +106,8 @@ class DsaAdaptConfig(DsaDataConfig):
     indexer_loss_coeff: float = Field(1.0, gt=0, description="weight of the indexer's KL in the summed loss")
     baselines: tuple[str, ...] = Field(("full", "swa"), description="comparison models trained with "
                                        "the same data and budget; subset of full, swa")
-    long_eval: LongEvalConfig = LongEvalConfig()
+    long_eval: LongEvalConfig = Field(LongEvalConfig(), description=(
+        "the long-context suite the DSA model and its baselines are scored on"))
 
     @model_validator(mode="after")
     def _check_baselines(self) -> "DsaAdaptConfig":

@@ -51,9 +51,11 @@ class SyntheticDocs(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    task: Literal["copy", "mqar", "facts"]
-    length: int = Field(ge=16)
-    count: int = Field(ge=1)
+    task: Literal["copy", "mqar", "facts"] = Field(description=(
+        "copy (induction warm-up), mqar (multi-query associative recall, answer in the context) or facts "
+        "(two-token fact recall from one fixed table, answer in the weights)"))
+    length: int = Field(ge=16, description="tokens per document")
+    count: int = Field(ge=1, description="documents of this task added to the training split")
 
 
 class SyntheticConfig(BaseModel):
@@ -62,8 +64,9 @@ class SyntheticConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    docs: tuple[SyntheticDocs, ...] = Field(min_length=1)
-    mqar_pairs: int = Field(16, ge=1, le=KEYS)
+    docs: tuple[SyntheticDocs, ...] = Field(min_length=1, description=(
+        "the synthetic documents, one entry per task and length (at least one)"))
+    mqar_pairs: int = Field(16, ge=1, le=KEYS, description="key-value pairs per MQAR document")
     seed: int = Field(0, description="the evaluation draws its documents from another stream")
 
     @model_validator(mode="after")

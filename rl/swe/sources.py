@@ -35,17 +35,19 @@ class Source(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="the source's name in the artifact")
-    kind: Literal["path", "sdist"]
+    kind: Literal["path", "sdist"] = Field(description=(
+        "path: a local folder or git checkout; sdist: a pinned source archive (the package index's, or a "
+        "local one)"))
     path: Optional[str] = Field(None, description="kind path: a folder or a git checkout; kind sdist: a local "
                                 "archive instead of the package index ({samples} allowed in a config)")
     rev: Optional[str] = Field(None, description="kind path, a git checkout: the commit (default HEAD)")
     package: Optional[str] = Field(None, description="kind sdist: the package index name")
-    version: Optional[str] = None
+    version: Optional[str] = Field(None, description="kind sdist: the package version on the index")
     sha256: Optional[str] = Field(None, pattern=r"^[0-9a-f]{64}$", description="kind sdist: the archive's sha256")
     tests: tuple[str, ...] = Field((), description="pytest arguments naming the tests (default: pytest's discovery)")
     test_requires: tuple[str, ...] = Field(("pytest",), description="what the tests need installed besides the "
                                            "project's own dependencies")
-    license: Optional[str] = None
+    license: Optional[str] = Field(None, description="the source's license (SPDX name), for the record: not checked")
     github: Optional[str] = Field(None, pattern=r"^[\w.-]+/[\w.-]+$", description="owner/name on GitHub: the "
                                   "issue-pr stage's pairs of that repository become instances when this source is "
                                   "a git checkout holding their base commits")
