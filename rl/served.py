@@ -33,11 +33,11 @@ import logging
 import shutil
 import threading
 import time
-import urllib.error
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+import httpx
 import torch
 
 from model.config import ModelConfig
@@ -48,9 +48,9 @@ from rl import weight_sync
 from rl.orchestrator import HashRing
 from rl.ranks import SINGLE, Ranks
 from rl.sample import Sample, Status
-from rl.served_pool import NETWORK_ERRORS, REPO, Server, ServerPoolConfig, named_pool
+from rl.served_pool import REPO, Server, ServerPoolConfig, named_pool
 from rl.served_vllm import VLLMPoolServer, pool_settings
-from rl.vllm_server import EngineFailed
+from rl.vllm_server import NETWORK_ERRORS, EngineFailed, http_error
 
 __all__ = ["REPO", "Server", "ServerPoolConfig", "named_pool", "group_seeds", "expert_shards", "ServedEngine"]
 
@@ -445,10 +445,11 @@ class ServedEngine:
                     return out
                 # a server started again answers before it has loaded the current version
                 reason = f"it answered from version {stale}, not {self.version}"
-            except urllib.error.HTTPError as e:
-                detail = e.read().decode(errors="replace")[:2000]
-                if e.code != 500 or not ("no weights loaded" in detail or "no reward model loaded" in detail):
-                    raise EngineFailed(f"{server.name}: HTTP {e.code}: {detail}") from e
+            except httpx.HTTPStatusError as e:
+                detail = e.response.content.decode(errors="replace")[:2000]
+                if e.response.status_code != 500 or not ("no weights loaded" in detail
+                                                          or "no reward model loaded" in detail):
+                    raise EngineFailed(f"{server.name}: {http_error(e)}") from e
                 reason = detail
             except NETWORK_ERRORS as e:
                 reason = repr(e)

@@ -8,20 +8,18 @@ import os
 import subprocess
 import sys
 import time
-import urllib.error
-from http.client import HTTPException
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from runtime.shutdown import stop_process_group
 from rl import weight_sync
-from rl.vllm_server import GUARD, EngineFailed, VLLMServerSettings, http
+from rl.vllm_server import GUARD, NETWORK_ERRORS, EngineFailed, VLLMServerSettings, http, http_error
 from training.launch import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-NETWORK_ERRORS = (OSError, HTTPException)
 
 
 class ServerPoolConfig(BaseModel):
@@ -151,7 +149,7 @@ class Server:
         """{"version": the version it serves, None before its first load}; None when it does not answer."""
         try:
             return http(self.url + "/health", timeout=5)
-        except (urllib.error.URLError, *NETWORK_ERRORS, ValueError):
+        except (httpx.HTTPStatusError, *NETWORK_ERRORS, ValueError):
             return None
 
     def dead(self) -> bool:
@@ -175,9 +173,8 @@ class Server:
     def call(self, path: str, body: dict, timeout: float) -> Any:
         try:
             return self.request(path, body, timeout)
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:2000]
-            raise EngineFailed(f"{self.name} {path}: HTTP {e.code}: {detail}") from e
+        except httpx.HTTPStatusError as e:
+            raise EngineFailed(f"{self.name} {path}: {http_error(e)}") from e
 
     # ------------------------------------------------------------ the protocol's loads
     def load_version(self, root: Path, version: int, timeout: float) -> Any:

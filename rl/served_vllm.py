@@ -28,11 +28,10 @@ so a resumed stage's rollouts match an uninterrupted one's closely, not bit for 
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any, Optional
 
+import httpx
 import torch
 
 from model.config import ModelConfig
@@ -40,8 +39,8 @@ from model.hf import to_dense_mla_config, to_hf_config
 from quant.qat import QATConfig
 from rl.served_pool import REPO, Server, ServerPoolConfig
 from rl.vllm_engine import check_servable, serving_config
-from rl.vllm_server import (CONTROL_TIMEOUT_S, SERVED_NAME, EngineFailed, VLLMServerSettings, http, serve_command,
-                             server_env)
+from rl.vllm_server import (CONTROL_TIMEOUT_S, NETWORK_ERRORS, SERVED_NAME, EngineFailed, VLLMServerSettings,
+                             answers, http, serve_command, server_env)
 
 
 def pool_settings(pool: ServerPoolConfig, model: ModelConfig) -> VLLMServerSettings:
@@ -103,12 +102,11 @@ class VLLMPoolServer(Server):
             self.call("/collective_rpc", {"method": "glmforge_prepare"}, CONTROL_TIMEOUT_S)
 
     def health(self) -> Optional[dict]:
+        if not answers(self.url + "/health"):
+            return None
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                if r.status != 200:
-                    return None
             label = http(self.url + "/weight_info", timeout=5)["weight_version"]
-        except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError):
+        except (httpx.HTTPStatusError, *NETWORK_ERRORS, ValueError, KeyError, TypeError):
             return None
         # vLLM labels a server it started "default"; ours are the version numbers we set
         return {"version": int(label) if str(label).isdigit() else None}

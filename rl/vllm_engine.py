@@ -33,7 +33,6 @@ import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from http.client import HTTPException
 from pathlib import Path
 
 import torch
@@ -45,7 +44,8 @@ from quant.qat import QATConfig, prepare_qat, remove_qat
 from rl.orchestrator import HashRing
 from rl.sampling import SamplingParams
 from rl.sample import Sample, Status
-from rl.vllm_server import CONTROL_TIMEOUT_S, SERVED_NAME, EngineFailed, VLLMConfig, VLLMServer, VLLMServerSettings
+from rl.vllm_server import (CONTROL_TIMEOUT_S, NETWORK_ERRORS, SERVED_NAME, EngineFailed, VLLMConfig, VLLMServer,
+                             VLLMServerSettings)
 
 log = logging.getLogger("glmforge")
 
@@ -54,8 +54,6 @@ CPU_MLA_LATENT = 576
 # vLLM's CPU MoE kernel pads the expert width to a multiple of this; its weight reload then fails
 # (it copies the unpadded checkpoint tensors into the padded storage), so only unpadded widths work
 CPU_MOE_ALIGN = 32
-# a server that is gone (refused, reset, timed out); its HTTP errors come back as EngineFailed
-_NETWORK_ERRORS = (OSError, HTTPException)
 
 
 def servable_copy(policy: GLMModel, int4: QATConfig | None) -> GLMModel:
@@ -248,7 +246,7 @@ class VLLMEngine:
             try:
                 out = server.call("/inference/v1/generate", body)
                 break
-            except _NETWORK_ERRORS as e:
+            except NETWORK_ERRORS as e:   # a server that is gone; its HTTP errors come back as EngineFailed
                 if attempt:
                     raise
                 self._ensure(server, reason=repr(e))

@@ -21,11 +21,10 @@ import os
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from runtime.shutdown import stop_process_group
@@ -39,6 +38,8 @@ EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_ext"
 EXTENSION_CLS = "glmforge_vllm_ext.WeightUpdate"
 GUARD = Path(__file__).resolve().parent / "server_guard.py"
 CONTROL_TIMEOUT_S = 120.0       # pause / reload / resume / labels: seconds, not a generation's minutes
+# a server that is gone (refused, reset, timed out); its HTTP errors are httpx.HTTPStatusError
+NETWORK_ERRORS = (httpx.TransportError, OSError)
 
 
 class VLLMServerSettings(BaseModel):
@@ -96,11 +97,25 @@ def server_env(cfg: VLLMServerSettings) -> dict[str, str]:
 
 
 def http(url: str, method: str = "GET", body: dict | None = None, timeout: float = 60.0) -> Any:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        raw = r.read()
-    return json.loads(raw) if raw else None
+    """One JSON request: its answer (None when empty). An HTTP error status raises
+    httpx.HTTPStatusError (http_error() words it); a server that is gone, NETWORK_ERRORS."""
+    data = None if body is None else json.dumps(body).encode()   # as json.dumps writes it (NaN included)
+    r = httpx.request(method, url, content=data, timeout=timeout, headers={"Content-Type": "application/json"})
+    r.raise_for_status()
+    return json.loads(r.content) if r.content else None
+
+
+def http_error(e: httpx.HTTPStatusError) -> str:
+    """`HTTP 500: what the server said` (its first 2000 characters)."""
+    return f"HTTP {e.response.status_code}: {e.response.content.decode(errors='replace')[:2000]}"
+
+
+def answers(url: str, timeout: float = 5.0) -> bool:
+    """Whether `url` answers 200 (a health check)."""
+    try:
+        return httpx.get(url, timeout=timeout).status_code == 200
+    except NETWORK_ERRORS:
+        return False
 
 
 def serve_command(c: VLLMServerSettings, model_dir: Path, port: int) -> list[str]:
@@ -170,11 +185,7 @@ class VLLMServer:
                            f"see {self.log_path}")
 
     def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        return answers(self.url + "/health")
 
     def alive(self) -> bool:
         if self.owned:
@@ -197,6 +208,5 @@ class VLLMServer:
              timeout: Optional[float] = None) -> Any:
         try:
             return http(self.url + path, method, body, timeout or self.cfg.request_timeout_s)
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:2000]
-            raise EngineFailed(f"vLLM {path} at {self.url}: HTTP {e.code}: {detail}") from e
+        except httpx.HTTPStatusError as e:
+            raise EngineFailed(f"vLLM {path} at {self.url}: {http_error(e)}") from e
