@@ -1,11 +1,18 @@
 """Progress of long stage loops: a Prefect progress artifact plus a console bar."""
 from __future__ import annotations
 
+import re
 import sys
 import time
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from tqdm import tqdm
+
+
+def artifact_key(stage: str, what: str) -> str:
+    """A Prefect artifact key for a stage: lowercase letters, digits and dashes only (Prefect
+    refuses others), so round stages' "sft@2" becomes "sft-2"."""
+    return re.sub(r"[^a-z0-9]+", "-", f"{stage}-{what}".lower()).strip("-")
 
 
 class StageProgress:
@@ -33,7 +40,7 @@ class StageProgress:
             pct = min(100.0, 100.0 * done / total)
             if self.artifact_id is None:
                 self.artifact_id = create_progress_artifact(
-                    progress=pct, key=f"{self.stage}-progress", description=f"{self.stage}: {desc}"
+                    progress=pct, key=artifact_key(self.stage, "progress"), description=f"{self.stage}: {desc}"
                 )
             else:
                 update_progress_artifact(self.artifact_id, progress=pct)

@@ -8,7 +8,6 @@ import base64
 import contextlib
 import json
 import logging
-import re
 from typing import Any, ContextManager
 
 from prefect import get_run_logger, task
@@ -24,7 +23,7 @@ from runtime.runner import Runner, StageResult
 from runtime.shutdown import CancelledByUser, Preempted
 from runtime.stage import StageFn, StageSpec
 from runtime.store import Manifest, artifact_prefix
-from tasks.progress import StageProgress
+from tasks.progress import StageProgress, artifact_key
 
 
 def _flatten(metrics: dict[str, Any], prefix: str = "") -> list[dict[str, str]]:
@@ -42,7 +41,7 @@ def publish_prefect_artifacts(runner: Runner, result: StageResult) -> None:
     """Metrics as a table artifact, and any PNG the stage wrote as a markdown image."""
     m: Manifest = result.manifest
     create_table_artifact(
-        key=f"{result.name}-metrics",
+        key=artifact_key(result.name, "metrics"),
         table=_flatten(m.metrics) or [{"metric": "(none)", "value": ""}],
         description=f"{result.name} ({result.state}) — {result.artifact}",
     )
@@ -51,9 +50,9 @@ def publish_prefect_artifacts(runner: Runner, result: StageResult) -> None:
         if f.path.endswith(".png") and f.size < 2_000_000:
             data = base64.b64encode(runner.store.get_bytes(f"{base}/{f.path}")).decode()
             # the whole path: dsa-adapt writes loss.png, full/loss.png and swa/loss.png
-            slug = re.sub(r"[^a-z0-9]+", "-", f.path[:-4].lower()).strip("-")
+            slug = f.path[:-4]
             create_markdown_artifact(
-                key=f"{result.name}-{slug}",
+                key=artifact_key(result.name, slug),
                 markdown=f"### {result.name}: {f.path}\n\n![{f.path}](data:image/png;base64,{data})",
             )
 

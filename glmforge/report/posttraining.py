@@ -97,7 +97,43 @@ def posttraining(run: RunData) -> str:
     out.append(swe_envs_section(run))
     out.append(rl_prompts_section(run))
     out.append(judges_section(run))
+    out.append(rounds_section(run))
     return section("posttraining", "Post-training", "".join(out))
+
+
+def rounds_section(run: RunData) -> str:
+    """Iterative self-distillation: per round, what self-distill kept and rl-reasoning's held-out
+    accuracy after the round, against round 1's in standard errors (only when rounds ran)."""
+    rounds = sorted({int(n.partition("@")[2]) for n in run.stages if "@" in n and n.partition("@")[2].isdigit()})
+    if not rounds:
+        return ""
+    first = run.metrics("rl-reasoning").get("heldout_sampled_accuracy")
+    rows = []
+    for r in [1, *rounds]:
+        at = "" if r == 1 else f"@{r}"
+        sd = run.metrics(f"self-distill{at}")
+        data = (run.metrics(f"sft{at}").get("data") or {}).get("samples") or {}
+        greedy = run.metrics(f"rl-reasoning{at}").get("heldout_accuracy")
+        sampled = run.metrics(f"rl-reasoning{at}").get("heldout_sampled_accuracy")
+        gain = None
+        if r > 1 and all(number(get(x, k)) is not None for x in (first, sampled) for k in ("after", "stderr_after")):
+            se = math.hypot(get(first, "stderr_after"), get(sampled, "stderr_after"))
+            gain = (get(sampled, "after") - get(first, "after")) / se if se > 0 else None
+        rows.append([td(r), td(get(sd, "examples"), f"self-distill{at}.examples"),
+                     td(get(sd, "prompts"), f"self-distill{at}.prompts"),
+                     td(get(data, "replaced_by_self_distill"), f"sft{at}.data.samples.replaced_by_self_distill"),
+                     _acc_cell(get(greedy, "after"), get(greedy, "stderr_after"), get(greedy, "n"),
+                               f"rl-reasoning{at}.heldout_accuracy.after"),
+                     _acc_cell(get(sampled, "after"), get(sampled, "stderr_after"), get(sampled, "n"),
+                               f"rl-reasoning{at}.heldout_sampled_accuracy.after"),
+                     td(gain, None if r == 1 else f"rounds.{r}.gain_in_stderr")])
+    return ("<h3>Iterative self-distillation: rounds</h3>"
+            + table(["round", "distilled examples", "prompts sampled", "SFT demonstrations replaced",
+                     "rl-reasoning held-out greedy after", "sampled after", "sampled vs round 1, in s.e."], rows)
+            + note("Round R (self_distill.iterations) rejection-samples round R−1's rl-reasoning model: its "
+                   "verified, distinct responses (at most cap_per_prompt a prompt) replace SFT's direct "
+                   "demonstrations of their domain, and SFT and the RL stages run again. The held-out prompts "
+                   "are the same in every round."))
 
 
 def judges_section(run: RunData) -> str:

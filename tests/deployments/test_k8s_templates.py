@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from glmforge import k8s, shutdown
+from glmforge import k8s
+from runtime import shutdown
 from glmforge.cli import app
 from glmforge.config import load_config
-from glmforge.pipeline import STAGES
+from glmforge.pipeline import iterations, stages_for
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "deployments" / "k8s"
@@ -53,7 +54,8 @@ def test_rendered_templates_pass_the_kubernetes_schema_and_the_prefect_shape(ren
     # every stage is in exactly one group
     groups = files["node-groups.json"]["groups"]
     stages = [s for g in groups.values() for s in g["stages"]]
-    assert len(stages) == len(set(stages)) == len(STAGES)
+    # every stage of every round (glm5 runs two rounds of post-training: sft@2 ...)
+    assert len(stages) == len(set(stages)) == len(stages_for(iterations(load_config(preset, None, None))))
 
 
 def test_glm5_groups_follow_the_launch_config(rendered):
@@ -62,9 +64,12 @@ def test_glm5_groups_follow_the_launch_config(rendered):
     groups = files["node-groups.json"]["groups"]
     # the RL stages join through their parallel.launch: the reward model trains on the same 128 x 8,
     # the stages with served rollouts on 64 x 8 (their vLLM pools run beside them)
+    # (glm5 runs two rounds of post-training: a round's stages go where round 1's do)
     assert groups["train-128x8"]["stages"] == ["pretrain", "context-1", "context-2", "context-3", "dsa-adapt", "sft",
-                                               "reward-model"]
-    assert groups["train-64x8"]["stages"] == ["rl-reasoning", "rl-agentic", "rl-general", "distill"]
+                                               "reward-model", "sft@2", "reward-model@2"]
+    assert groups["train-64x8"]["stages"] == ["rl-reasoning", "rl-agentic", "rl-general", "distill", "rl-reasoning@2",
+                                              "rl-agentic@2", "rl-general@2", "distill@2"]
+    assert {"self-distill@2", "rl-prompts@2"} <= set(groups["single"]["stages"])
     assert groups["train-16x8"]["stages"] == ["dsa-warmup"]
     assert "rl-agentic" not in groups["single"]["stages"] and "ingest" in groups["single"]["stages"]
     t = files["train-128x8/base-job-template.json"]

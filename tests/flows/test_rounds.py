@@ -16,6 +16,7 @@ from posttrain.self_distill import run as self_distill
 from runtime.stage import Workdir
 from runtime.store import open_store
 from tests.flows.conftest import FAST
+from tests.flows.test_report import cells, value
 from tests.flows.test_resume import GLMFORGE, REPO, _env, _seed_upstream, _status
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -80,3 +81,11 @@ def test_a_round_killed_inside_resumes_inside_it_with_round_one_cached(tiny_run,
     assert final["sft"]["state"] == "cached" and final["sft@2"]["key"] != final["sft"]["key"]
     sft2 = store.manifest("sft@2", final["sft@2"]["key"])
     assert sft2.parents["self-distill@2"] == key and sft2.parents["dsa-adapt"] == tiny_run.keys["dsa-adapt"]
+
+    # the run report's rounds table: round 2's distilled examples as the stage published them
+    page = subprocess.run([*GLMFORGE, "report"], env=env, cwd=REPO, capture_output=True, text=True, check=True)
+    from pathlib import Path
+
+    shown = cells(Path(page.stdout.strip().splitlines()[-1]).read_text())
+    assert value(shown["self-distill@2.examples"]) == published.metrics["examples"]
+    assert value(shown["self-distill@2.prompts"]) == 24
