@@ -5,6 +5,18 @@ from model.config import tiny
 from model.model import GLMModel
 
 
+class Killed(Exception):
+    """A stage stopped by its progress callback: a kill at a chosen point of its loop."""
+
+
+def kill_at(done_at: int):
+    """A workdir progress callback that raises Killed when the stage reports `done_at` done."""
+    def progress(done: int, total: int, desc: str) -> None:
+        if done == done_at:
+            raise Killed
+    return progress
+
+
 def small_model(seed: int = 0, **overrides) -> GLMModel:
     """tiny() cut to 2 layers (one dense, one MoE) + MTP depth 1, vocab 512: every module kind
     QAT touches, in well under a second per forward."""

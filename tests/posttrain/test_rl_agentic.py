@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from runtime.stage import Workdir
 from model.hf import save_state
 from posttrain.rl_agentic import RLAgenticConfig, run_rl_agentic
+from tests.posttrain.conftest import Killed, kill_at
 from tests.rl.conftest import small_model
 
 
@@ -63,15 +64,9 @@ def test_async_with_two_workers_trains_every_group_once(inputs, tmp_path):
 
 
 def test_killed_stage_resumes_without_losing_or_repeating_a_group(inputs, tmp_path):
-    class Killed(Exception):
-        pass
-
-    def die_at_3(done, total, desc):
-        if done == 3:
-            raise Killed
     cfg = _cfg(steps=4, workers=2, eta=1, tau=2)
     with pytest.raises(Killed):
-        run_rl_agentic(cfg, inputs, Workdir.at(tmp_path, seed=5, progress=die_at_3))
+        run_rl_agentic(cfg, inputs, Workdir.at(tmp_path, seed=5, progress=kill_at(3)))
     m = run_rl_agentic(cfg, inputs, Workdir.at(tmp_path, seed=5))
     rec = _records(tmp_path)
     assert [r["step"] for r in rec] == [1, 2, 3, 4]

@@ -14,6 +14,7 @@ from rl.prompts import PromptPoolConfig, draw_tasks, group_size, histogram, pool
 from rl.rewards import RewardWorker
 from rl.rollout import SamplingParams
 from rl.sample import Status
+from tests.posttrain.conftest import Killed, kill_at
 from tests.posttrain.test_rl_reasoning import _cfg, inputs  # noqa: F401 (fixture)
 
 
@@ -58,14 +59,8 @@ def _pool_cfg(**kw) -> RLPromptsConfig:
 def test_killed_stage_resumes_to_the_uninterrupted_pool(inputs, tmp_path):  # noqa: F811
     clean = run(_pool_cfg(), inputs, Workdir.at(tmp_path / "clean", seed=1))
 
-    class Killed(Exception):
-        pass
-
-    def die_after_first_chunk(done, total, desc):
-        if done == 5:
-            raise Killed
     with pytest.raises(Killed):
-        run(_pool_cfg(), inputs, Workdir.at(tmp_path / "killed", seed=1, progress=die_after_first_chunk))
+        run(_pool_cfg(), inputs, Workdir.at(tmp_path / "killed", seed=1, progress=kill_at(5)))
     assert len((tmp_path / "killed" / "checkpoint" / POOL).read_text().splitlines()) == 5
     again = run(_pool_cfg(), inputs, Workdir.at(tmp_path / "killed", seed=1))
     assert again == clean and clean["prompts"] == 12

@@ -11,6 +11,7 @@ from domains.task import Task
 from runtime.stage import Workdir
 from model.hf import save_state
 from posttrain.rl_reasoning import RLReasoningConfig, draw_tasks, run_rl_reasoning
+from tests.posttrain.conftest import Killed, kill_at
 from tests.rl.conftest import small_model
 
 
@@ -63,14 +64,8 @@ def test_killed_stage_resumes_to_the_uninterrupted_result(inputs, tmp_path, shap
     cfg = _cfg(**shaping)
     run_rl_reasoning(cfg, inputs, Workdir.at(tmp_path / "clean", seed=3))
 
-    class Killed(Exception):
-        pass
-
-    def die_at_3(done, total, desc):
-        if done == 3:
-            raise Killed
     with pytest.raises(Killed):
-        run_rl_reasoning(cfg, inputs, Workdir.at(tmp_path / "killed", seed=3, progress=die_at_3))
+        run_rl_reasoning(cfg, inputs, Workdir.at(tmp_path / "killed", seed=3, progress=kill_at(3)))
     # the step-3 record was written before the kill; the resumed run must drop and redo it
     assert len((tmp_path / "killed" / "checkpoint" / "metrics.jsonl").read_text().splitlines()) == 3
     resumed = run_rl_reasoning(cfg, inputs, Workdir.at(tmp_path / "killed", seed=3))

@@ -10,6 +10,7 @@ from posttrain.self_distill import SelfDistillConfig, kept, run
 from posttrain.sft_data import DISTILLED, DISTILLED_META, SFTDataConfig, build_samples, build_sft_data
 from rl.sample import Sample, Status
 from runtime.stage import Workdir
+from tests.posttrain.conftest import Killed, kill_at
 from tests.posttrain.test_rl_reasoning import inputs  # noqa: F401 (fixture)
 
 
@@ -83,14 +84,8 @@ def test_a_killed_stage_goes_on_after_its_last_chunk(inputs, tmp_path):  # noqa:
     round_inputs = {"rl-reasoning": inputs["sft"], "tokenize": inputs["tokenize"]}
     clean = run(_cfg(), round_inputs, Workdir.at(tmp_path / "clean", seed=3))
 
-    class Killed(Exception):
-        pass
-
-    def die_after_first_chunk(done, total, desc):
-        if done == 3:
-            raise Killed
     with pytest.raises(Killed):
-        run(_cfg(), round_inputs, Workdir.at(tmp_path / "killed", seed=3, progress=die_after_first_chunk))
+        run(_cfg(), round_inputs, Workdir.at(tmp_path / "killed", seed=3, progress=kill_at(3)))
     again = run(_cfg(), round_inputs, Workdir.at(tmp_path / "killed", seed=3))
     assert again == clean and clean["prompts"] == 8 and clean["samples_per_prompt"] == 3
     assert (tmp_path / "clean" / "out" / DISTILLED).read_text() == (tmp_path / "killed" / "out" / DISTILLED).read_text()
