@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from data_processing.common import check_document
-from data_processing.document import (SCHEMA, Document, ShardWriter, bool_array, documents_table, read_shard,
+from data_processing.document import (SCHEMA, Document, ShardWriter, documents_table, filter_rows, read_shard,
                                       table_documents)
 from runtime.stage import ProgressFn
 
@@ -110,7 +110,7 @@ def write_shard_decisions(
     counts = FilterCounts()
     start = 0
     for path in shards:
-        table = pq.ParquetFile(path).read()
+        table = pq.ParquetFile(path).read(use_threads=False)
         mine = verdicts[start:start + table.num_rows]
         start += table.num_rows
         reasons = [_drop_reason(v) for v in mine]
@@ -120,9 +120,9 @@ def write_shard_decisions(
                 check_document(d, str(path))
             table = documents_table(docs)
         keep = [r is None for r in reasons]
-        kept_writer.write_table(table.filter(bool_array(keep)))
+        kept_writer.write_table(filter_rows(table, keep))
         dropped = [i for i, r in enumerate(reasons) if r is not None]
-        for i, doc in zip(dropped, table_documents(table.filter(bool_array([not k for k in keep])))):
+        for i, doc in zip(dropped, table_documents(filter_rows(table, [not k for k in keep]))):
             removed_writer.write(Document(doc.id, doc.text, doc.source, removed_metadata(doc.metadata, reasons[i], step)))
             counts.reasons[reasons[i]] += 1
         counts.documents_in += table.num_rows

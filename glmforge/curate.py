@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from json.encoder import encode_basestring  # what json.dumps(s, ensure_ascii=False) returns
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from data_processing import ingest  # before pyarrow: the package sets Arrow's a
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from data_processing.document import SCHEMA, read_documents, shard_paths
+from data_processing.document import SCHEMA, read_documents, shard_paths, uncompressed_shards
 from glmforge.config import ConfigError, parse_override, preset_section
 from runtime.stage import StageSpec, Workdir
 from runtime.store import open_store
@@ -66,7 +67,8 @@ def documents_from(input_path: str, work: Path, text_field: str = "text", text_t
                                  keep_ids=True)
     cfg = ingest.IngestConfig(sources=[source], shard_size=5000)
     wd = Workdir.at(work / "ingest")
-    metrics = ingest.run(cfg, {}, wd)
+    with uncompressed_shards(wd.checkpoint / "shards"):  # scratch, read back here and deleted
+        metrics = ingest.run(cfg, {}, wd)
     return wd.out, metrics
 
 
@@ -136,8 +138,14 @@ def _write_docs(shards: Path, path: Path) -> None:
         return
     with open(path, "w", encoding="utf-8") as f:
         for d in read_documents(shards):     # the metadata as stored: JSON already, never decoded here
-            f.write(f'{{"id": {json.dumps(d.id, ensure_ascii=False)}, "text": {json.dumps(d.text, ensure_ascii=False)}, '
-                    f'"source": {json.dumps(d.source, ensure_ascii=False)}, "metadata": {d.metadata_json()}}}\n')
+            f.write(f'{{"id": {_json_string(d.id)}, "text": {_json_string(d.text)}, '
+                    f'"source": {_json_string(d.source)}, "metadata": {d.metadata_json()}}}\n')
+
+
+def _json_string(value: Any) -> str:
+    """json.dumps(value, ensure_ascii=False): for a string, the escaping function it calls
+    (json.dumps builds a JSONEncoder on every call with non-default options)."""
+    return encode_basestring(value) if type(value) is str else json.dumps(value, ensure_ascii=False)
 
 
 def curate(
@@ -174,7 +182,9 @@ def curate(
                 if not inputs[parent].exists():
                     raise FileNotFoundError(f"--with {parent}={inputs[parent]}: no such directory")
         wd = Workdir.at(work / step, seed=seed)
-        metrics = spec.run(cfg, inputs, wd)
+        # kept shards that become one output file are scratch too (removed/ ones are output)
+        with uncompressed_shards(*([wd.out] if output.endswith((".jsonl", ".parquet")) else [])):
+            metrics = spec.run(cfg, inputs, wd)
         if read.get("quarantined"):  # bad input records are part of the output, not lost
             shutil.copyfile(work / "ingest" / "out" / "quarantine.jsonl", wd.out / "input_quarantine.jsonl")
         written = write_output(wd.out, output)

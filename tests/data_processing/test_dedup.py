@@ -237,3 +237,17 @@ def test_datasketch_backend_equals_datasketch_minhash():
         for h in hashes:
             m.update(int(h).to_bytes(8, "little"))
         assert np.array_equal(s, m.hashvalues.astype(np.uint32))
+
+
+def test_candidate_pairs_are_np_unique_of_the_band_pairs():
+    """lsh_candidate_pairs dedups pairs by one int64 key: np.unique(pairs, axis=0), rows and order."""
+    rng = np.random.default_rng(3)
+    for n in [1, 2, 7, 60]:
+        sigs = rng.integers(0, 3, size=(n, 8)).astype(np.uint32)
+        index = np.arange(n, dtype=np.int64)
+        pairs = [minhash.bucket_pairs(minhash.band_keys(sigs, b, 2, w, index), index)
+                 for b, w in enumerate(minhash.band_weights(4, 2))]
+        pairs = [p for p in pairs if len(p)]
+        want = np.unique(np.sort(np.concatenate(pairs), axis=1), axis=0) if pairs else np.empty((0, 2), dtype=np.int64)
+        got = minhash.lsh_candidate_pairs(sigs, 4, 2)
+        assert got.dtype == want.dtype and np.array_equal(got, want)

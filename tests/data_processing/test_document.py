@@ -36,3 +36,38 @@ def test_documents_compare_by_content_whether_or_not_their_metadata_was_decoded(
 def _write(path, docs):
     write_shard(path, docs)
     return path
+
+
+def test_filter_rows_is_table_filter(tmp_path):
+    import random
+
+    from data_processing.document import bool_array, filter_rows
+
+    rng = random.Random(0)
+    for n in [0, 1, 2, 5, 40]:
+        table = pa.table({"id": [f"d{i}" for i in range(n)], "text": ["x" * (i % 3) for i in range(n)]})
+        for p in [0.0, 0.5, 0.9, 1.0]:
+            keep = [rng.random() < p for _ in range(n)]
+            got, want = filter_rows(table, keep), table.filter(bool_array(keep))
+            assert got.equals(want)
+            assert [c.num_chunks for c in got.columns] == [c.num_chunks for c in want.columns]  # same shard bytes
+
+
+def test_uncompressed_shards_only_in_the_named_folders(tmp_path):
+    from data_processing.document import ShardWriter, uncompressed_shards
+
+    docs = [Document(f"d{i}", "some text " * 50) for i in range(4)]
+    scratch, kept = tmp_path / "scratch", tmp_path / "kept"
+    with uncompressed_shards(scratch):
+        for folder in (scratch, scratch / "sub", kept):
+            w = ShardWriter(folder, 10)
+            w.write_all(docs)
+            w.close()
+    codec = {f: pq.ParquetFile(f / "part-00000.parquet").metadata.row_group(0).column(1).compression
+             for f in (scratch, scratch / "sub", kept)}
+    assert codec == {scratch: "UNCOMPRESSED", scratch / "sub": "ZSTD", kept: "ZSTD"}
+    assert [d.text for d in read_shard(scratch / "part-00000.parquet")] == [d.text for d in docs]
+    w = ShardWriter(tmp_path / "after", 10)
+    w.write_all(docs)
+    w.close()
+    assert pq.ParquetFile(tmp_path / "after" / "part-00000.parquet").metadata.row_group(0).column(1).compression == "ZSTD"

@@ -169,3 +169,75 @@ def test_keep_ids_off_leaves_the_config_dump_unchanged():
     assert "keep_ids" not in _cfg(path="x").model_dump(mode="json")["sources"][0]
     assert _cfg(path="x", keep_ids=True).model_dump(mode="json")["sources"][0]["keep_ids"] is True
 
+
+
+# ---- JSONL files read whole by Arrow (keep_ids sources, as `glmforge curate` reads its input)
+_FAST_CASES = {
+    # taken by the fast path: every record a document
+    "plain": ['{"id": "a", "text": "one"}', '{"id": "b", "text": "two words"}', '{"id": "c", "text": "3"}'],
+    "normalized": [json.dumps({"id": "a", "text": "ends in a newline\n"}),
+                   json.dumps({"id": "b", "text": "crlf\r\nand cr\rend \t\x0c\x1c"}),
+                   json.dumps({"id": "c", "text": "nfd e\u0301, ideographic space\u3000"}, ensure_ascii=False),
+                   json.dumps({"id": "d", "text": "emoji \U0001F600 \\ \" \u2028\x00"}),
+                   json.dumps({"id": "e", "text": "a\xa0"}, ensure_ascii=False)],
+    # not taken: the per-record path quarantines, names lines and fails as always
+    "blank line": ['{"id": "a", "text": "one"}', "", '{"id": "b", "text": "two"}'],
+    "two on a line": ['{"id": "a", "text": "one"} {"id": "b", "text": "two"}', '{"id": "c", "text": "x",',
+                      '"more": 1}'],
+    "extra field": ['{"id": "a", "text": "one", "lang": "en"}'],
+    "no id": ['{"text": "one"}', '{"id": null, "text": "two"}'],
+    "int id": ['{"id": 1, "text": "one"}'],
+    "empty text": ['{"id": "a", "text": " \\n "}', '{"id": "b", "text": "two"}'],
+    "repeated key": ['{"id": "a", "text": "one", "text": "two"}'],
+    "lone surrogate": ['{"id": "a", "text": "\\ud800"}', '{"id": "b", "text": "two"}'],
+    "bad json": ['{"id": "a", "text": "one"}', '{"id": "b", "text": '],
+    "crlf file": ['{"id": "a", "text": "one"}\r', '{"id": "b", "text": "two"}\r'],
+    "invalid utf-8": b'{"id": "a", "text": "caf\xe9"}\n{"id": "b", "text": "two"}\n',
+    "bom": "\ufeff" + '{"id": "a", "text": "one"}',
+}
+
+
+@pytest.mark.parametrize("case", sorted(_FAST_CASES))
+def test_jsonl_read_whole_gives_what_the_per_record_path_gives(tmp_path, monkeypatch, case):
+    """Shards, quarantine, metrics and cursor byte for byte, with and without the fast path; files
+    with anything but plain records go the per-record way."""
+    import data_processing.ingest as ingest
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    body = _FAST_CASES[case]
+    if isinstance(body, bytes):
+        (folder / "a.jsonl").write_bytes(body)
+    else:
+        (folder / "a.jsonl").write_text((body if isinstance(body, str) else "\n".join(body)) + "\n", encoding="utf-8")
+    (folder / "b.jsonl").write_text("".join(json.dumps({"id": f"b{i}", "text": f"doc {i} "}) + "\n"
+                                            for i in range(5)), encoding="utf-8")
+    cfg = IngestConfig(sources=[{"name": "t", "path": str(folder), "keep_ids": True}], shard_size=3)
+
+    def outcome(name):
+        wd = Workdir.at(tmp_path / name)
+        try:
+            result = run(cfg, {}, wd)
+        except ValueError as e:
+            result = str(e)
+        files = {p.relative_to(wd.out.parent).as_posix(): p.read_bytes() for p in sorted(wd.out.parent.rglob("*"))
+                 if p.is_file()}
+        return result, files
+
+    taken = []
+    real = ingest._jsonl_rows
+    monkeypatch.setattr(ingest, "_jsonl_rows", lambda *a: taken.append(real(*a) is not None) or real(*a))
+    fast = outcome("fast")
+    monkeypatch.setattr(ingest, "fast_path_source", lambda src: False)
+    assert outcome("slow") == fast
+    assert taken[0] == (case in ("plain", "normalized"))
+    assert taken[1:] == ([True] if isinstance(fast[0], dict) else [])  # an error stops the run at a.jsonl
+
+
+def test_jsonl_read_whole_keeps_ids_unique_across_files(tmp_path):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text('{"id": "x", "text": "one"}\n{"id": "y", "text": "two"}\n')
+    (folder / "b.jsonl").write_text('{"id": "z", "text": "three"}\n{"id": "y", "text": "again"}\n')
+    with pytest.raises(ValueError, match=r"duplicate id 'y' at .*b\.jsonl:2, first seen at .*a\.jsonl:2"):
+        _run(_cfg(path=str(folder), keep_ids=True), tmp_path)

@@ -114,3 +114,26 @@ def test_a_curation_step_loads_only_what_it_needs(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
     assert len((tmp_path / "k.jsonl").read_text().splitlines()) == 20
+
+
+def test_kept_jsonl_lines_and_what_stays_compressed(tmp_path):
+    """The kept JSONL is json.dumps(ensure_ascii=False) of each field, whatever the characters;
+    the scratch shards of a file output are uncompressed, but the shards a user gets (a folder
+    output, removed/ beside a file) stay zstd."""
+    texts = ['quotes " and \\ backslash', "controls \x00\x01\x08\x0c\t\x1f end", "unicode é 日本 \U0001F600 \u2028 \x7f",
+             "plain text " * 20, "plain text " * 20 + "!"]  # the last two: near-duplicates
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"id": f"d{i}", "text": t}) + "\n" for i, t in enumerate(texts)))
+    out = tmp_path / "kept.jsonl"
+    r = _curate("dedup-minhash", "--input", str(src), "--output", str(out))
+    assert r.exit_code == 0, r.output
+    lines = out.read_text(encoding="utf-8").split("\n")[:-1]  # not splitlines(): U+2028
+    assert lines == [f'{{"id": {json.dumps(f"d{i}")}, "text": {json.dumps(t.rstrip(), ensure_ascii=False)}, '
+                     f'"source": "docs", "metadata": {json.dumps({"file": "docs.jsonl", "line": i + 1})}}}'
+                     for i, t in enumerate(texts[:4])]
+    removed = tmp_path / "kept.jsonl.files" / "removed" / "part-00000.parquet"
+    assert pq.ParquetFile(removed).metadata.row_group(0).column(1).compression == "ZSTD"
+    r = _curate("dedup-minhash", "--input", str(src), "--output", str(tmp_path / "out"))
+    assert r.exit_code == 0, r.output
+    for p in [tmp_path / "out" / "part-00000.parquet", tmp_path / "out" / "removed" / "part-00000.parquet"]:
+        assert pq.ParquetFile(p).metadata.row_group(0).column(1).compression == "ZSTD"
