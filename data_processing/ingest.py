@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_processing.common import expand_placeholders
 from data_processing.document import (SCHEMA, Document, ShardWriter, documents_table, read_shard, shard_paths,
-                                      string_array, table_documents)
+                                      table_documents)
 from runtime.stage import Workdir
 
 STAGE_VERSION = "1"
@@ -315,7 +315,9 @@ def _normalized(text: pa.StringArray) -> tuple[pa.StringArray | None, np.ndarray
     used = body[offsets[0]:]
     changed: dict[int, bytes | memoryview] = {}  # row -> its normalized text's bytes
     wide = np.flatnonzero((used >= 0x80) | (used == 13))  # non-ASCII, or a CR
-    wide_rows = np.unique(np.searchsorted(offsets, wide + offsets[0], side="right") - 1).tolist() if wide.size else []
+    rows = np.searchsorted(offsets, wide + offsets[0], side="right") - 1  # ascending
+    # the distinct rows (not np.unique: it imports numpy.ma, 0.03 s)
+    wide_rows = rows[np.concatenate(([True], rows[1:] != rows[:-1]))].tolist() if rows.size else []
     for row in wide_rows:
         t = text[row].as_py()
         u = normalize_text(t)
@@ -377,9 +379,9 @@ def _jsonl_rows(path: Path, file: str, src: SourceConfig, root: str, seen: dict[
     newlines = np.flatnonzero(raw == 10)
     lines = newlines.size + (not data.endswith(b"\n"))
     plain = newlines.size and newlines[0] and (raw[newlines - 1] == ord("}")).all()  # each line "...}\n"
-    if not (plain and data.rstrip().endswith(b"}")):
-        if not all(line.rstrip().endswith(b"}") for line in data.removesuffix(b"\n").split(b"\n")):
-            return None
+    if not (plain and data.rstrip().endswith(b"}")) and not all(
+            line.rstrip().endswith(b"}") for line in data.removesuffix(b"\n").split(b"\n")):
+        return None
     from pyarrow import json as pj  # 0.01 s, only when a file is read this way
 
     schema = pa.schema([("id", pa.string()), (src.text_field, pa.string())])
@@ -524,6 +526,16 @@ def _seen_ids(shards_dir: Path) -> dict[str, str]:
     return seen
 
 
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """dst with src's bytes: a hard link where the file system allows (a shard is never changed
+    in place: rewritten through a temporary file and a rename), else a copy."""
+    dst.unlink(missing_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
 def run(cfg: IngestConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
     for src in cfg.sources:  # a missing input fails before any work
         _list_files(src)
@@ -635,7 +647,7 @@ def run(cfg: IngestConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[st
         qfile.close()
 
     for p in shard_paths(shards_dir):
-        shutil.copyfile(p, workdir.out / p.name)
+        _link_or_copy(p, workdir.out / p.name)
     shutil.copyfile(qpath, workdir.out / "quarantine.jsonl")
     return {
         "documents": c.documents,

@@ -15,6 +15,7 @@ run with an error naming both files and lines; other fields go to `metadata.fiel
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from json.encoder import encode_basestring  # what json.dumps(s, ensure_ascii=False) returns
@@ -125,10 +126,24 @@ def write_output(out_dir: Path, output: str) -> list[str]:
         else:
             dest = Path(output).parent if is_file else Path(output)
             dest.mkdir(parents=True, exist_ok=True)
-            shutil.copytree(staging, dest, dirs_exist_ok=True)
+            _move_tree(staging, dest)
         return written
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _move_tree(src: Path, dest: Path) -> None:
+    """shutil.copytree(src, dest, dirs_exist_ok=True), each file renamed into place where it can
+    be (the same file system: no copy) and copied where not; src is left to be removed."""
+    for p in sorted(src.rglob("*")):
+        target = dest / p.relative_to(src)
+        if p.is_dir():
+            target.mkdir(exist_ok=True)
+            continue
+        try:
+            os.replace(p, target)
+        except OSError:
+            shutil.copy2(p, target)
 
 
 def _write_docs(shards: Path, path: Path) -> None:

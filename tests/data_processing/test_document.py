@@ -70,4 +70,5 @@ def test_uncompressed_shards_only_in_the_named_folders(tmp_path):
     w = ShardWriter(tmp_path / "after", 10)
     w.write_all(docs)
     w.close()
-    assert pq.ParquetFile(tmp_path / "after" / "part-00000.parquet").metadata.row_group(0).column(1).compression == "ZSTD"
+    after = pq.ParquetFile(tmp_path / "after" / "part-00000.parquet")
+    assert after.metadata.row_group(0).column(1).compression == "ZSTD"

@@ -201,7 +201,7 @@ _FAST_CASES = {
 def test_jsonl_read_whole_gives_what_the_per_record_path_gives(tmp_path, monkeypatch, case):
     """Shards, quarantine, metrics and cursor byte for byte, with and without the fast path; files
     with anything but plain records go the per-record way."""
-    import data_processing.ingest as ingest
+    from data_processing import ingest
 
     folder = tmp_path / "in"
     folder.mkdir()

@@ -120,8 +120,8 @@ def test_kept_jsonl_lines_and_what_stays_compressed(tmp_path):
     """The kept JSONL is json.dumps(ensure_ascii=False) of each field, whatever the characters;
     the scratch shards of a file output are uncompressed, but the shards a user gets (a folder
     output, removed/ beside a file) stay zstd."""
-    texts = ['quotes " and \\ backslash', "controls \x00\x01\x08\x0c\t\x1f end", "unicode é 日本 \U0001F600 \u2028 \x7f",
-             "plain text " * 20, "plain text " * 20 + "!"]  # the last two: near-duplicates
+    texts = ['quotes " and \\ backslash', "controls \x00\x01\x08\x0c\t\x1f end",
+             "unicode é 日本 \U0001F600 \u2028 \x7f", "plain text " * 20, "plain text " * 20 + "!"]  # last two: near-duplicates
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps({"id": f"d{i}", "text": t}) + "\n" for i, t in enumerate(texts)))
     out = tmp_path / "kept.jsonl"
