@@ -241,3 +241,37 @@ def test_jsonl_read_whole_keeps_ids_unique_across_files(tmp_path):
     (folder / "b.jsonl").write_text('{"id": "z", "text": "three"}\n{"id": "y", "text": "again"}\n')
     with pytest.raises(ValueError, match=r"duplicate id 'y' at .*b\.jsonl:2, first seen at .*a\.jsonl:2"):
         _run(_cfg(path=str(folder), keep_ids=True), tmp_path)
+
+
+def test_jsonl_read_whole_resumes_to_identical_shards(tmp_path, monkeypatch):
+    """Killed after a shard inside a file read whole, the run resumes record by record from the
+    cursor and ends with the same shards and cursor as an uninterrupted one."""
+    from data_processing import ingest
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for k in range(2):
+        (folder / f"p{k}.jsonl").write_text("".join(json.dumps({"id": f"{k}-{i}", "text": f"doc {k} {i}\n"}) + "\n"
+                                                   for i in range(7)))
+    cfg = IngestConfig(sources=[{"name": "t", "path": str(folder), "keep_ids": True}], shard_size=3)
+    clean = Workdir.at(tmp_path / "clean")
+    run(cfg, {}, clean)
+
+    crashed = Workdir.at(tmp_path / "crashed")
+    real, calls = ingest._save_cursor, {"n": 0}
+
+    def crash_on_third(path, c):
+        real(path, c)
+        calls["n"] += 1
+        if calls["n"] == 3:  # after the third shard (p0.jsonl's last row, p1.jsonl's first two)
+            raise KeyboardInterrupt("simulated kill")
+
+    monkeypatch.setattr(ingest, "_save_cursor", crash_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg, {}, crashed)
+    monkeypatch.setattr(ingest, "_save_cursor", real)
+    assert json.loads((crashed.checkpoint / "cursor.json").read_text())["consumed"] == 2
+    assert run(cfg, {}, crashed) == run(cfg, {}, Workdir.at(tmp_path / "again"))
+    for p in sorted(clean.out.iterdir()):
+        assert (crashed.out / p.name).read_bytes() == p.read_bytes(), p.name
+    assert (crashed.checkpoint / "cursor.json").read_bytes() == (clean.checkpoint / "cursor.json").read_bytes()
