@@ -2,7 +2,7 @@
 normalized, sharded Parquet (id, text, source, metadata).
 
 Streams record by record, so memory is bounded by one shard; except that a JSONL file of
-plain {id, text} records of a keep_ids source (`glmforge curate`'s input), up to 256 MB, is read
+plain {id, text} records of a keep_ids source (`glmforge curate`'s input), up to 64 MB, is read
 whole by Arrow's JSON reader into the same shards (any other file, or any doubt, goes record by
 record). Nothing is silently dropped: a bad record (invalid UTF-8, invalid JSON, not an object,
 missing or non-string text, empty text) goes to quarantine.jsonl with its file, line and
@@ -283,7 +283,7 @@ def read_source(src: SourceConfig, start_file: int = 0, skip: int = 0, *, fast_r
 
 # ---------------------------------------------------------------- JSONL files read whole by Arrow
 
-FAST_JSONL_MAX_BYTES = 256 << 20  # larger files are streamed record by record (bounded memory)
+FAST_JSONL_MAX_BYTES = 64 << 20  # larger files are streamed record by record (bounded memory)
 _ASCII_SPACE = np.zeros(256, dtype=bool)  # the ASCII characters str.rstrip() strips
 _ASCII_SPACE[[9, 10, 11, 12, 13, 28, 29, 30, 31, 32]] = True
 _ASCII_SPACE_BYTES = bytes(np.flatnonzero(_ASCII_SPACE).tolist())
@@ -379,7 +379,7 @@ def _jsonl_rows(path: Path, file: str, src: SourceConfig, root: str, seen: dict[
     newlines = np.flatnonzero(raw == 10)
     lines = newlines.size + (not data.endswith(b"\n"))
     plain = newlines.size and newlines[0] and (raw[newlines - 1] == ord("}")).all()  # each line "...}\n"
-    if not (plain and data.rstrip().endswith(b"}")) and not all(
+    if not (plain and data[-256:].rstrip().endswith(b"}")) and not all(
             line.rstrip().endswith(b"}") for line in data.removesuffix(b"\n").split(b"\n")):
         return None
     from pyarrow import json as pj  # 0.01 s, only when a file is read this way
