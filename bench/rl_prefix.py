@@ -12,7 +12,10 @@ rubric) before a short answer. Both sides of RL can compute a shared prompt once
 Both arms of each side run in this process on the same model and samples; the results agree
 (tests/rl/test_prefix_sharing.py checks log-probs, gradients and sampled tokens).
 
-    .venv/bin/python bench/rl_prefix.py [--prompt 600] [--response 32] [--group 8] [--prompts 4] [--json]
+    .venv/bin/python bench/rl_prefix.py [--model tiny|small] [--prompt 600] [--response 32] [--group 8] [--prompts 4] [--json]
+
+--model: the model the tiny or small preset pretrains (configs/*.yaml: pretrain.model_preset and
+model_overrides); --prompt 600 is rl-general's tool prompts, ~24 rl-reasoning's addition prompts.
 
 Prints per side the seconds of each arm and their ratio, and the trainer's token passes per
 update (tokens through the layers, a backward counted as two forwards) and FLOPs per update
@@ -30,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model.config import tiny  # noqa: E402
+from model.config import preset  # noqa: E402
 from model.generate import generate  # noqa: E402
 from model.info import flops_per_token  # noqa: E402
 from model.model import GLMModel  # noqa: E402
@@ -171,6 +174,7 @@ def agent_arm(model: GLMModel, a, cached: bool, repeats: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=("tiny", "small"), default="tiny", help="the preset whose model to time")
     ap.add_argument("--prompt", type=int, default=600, help="prompt tokens (rl-general's tool prompts: ~600)")
     ap.add_argument("--response", type=int, default=32, help="response tokens at most")
     ap.add_argument("--group", type=int, default=8, help="samples per prompt (GLM-5: 32)")
@@ -182,7 +186,10 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    cfg = tiny()
+    from glmforge.config import load_config
+
+    pretrain = load_config(a.model).pretrain
+    cfg = preset(pretrain.model_preset, **pretrain.model_overrides)
     model = GLMModel(cfg)
     samples = samples_for(a, cfg.vocab_size)
 
@@ -198,7 +205,7 @@ def main() -> None:
          "agent_s": agent[False], "agent_cached_s": agent[True], "agent_speedup": agent[False] / agent[True],
          **cost,
          "settings": {"prompt": a.prompt, "response": a.response, "group": a.group, "prompts": a.prompts, "turns": a.turns,
-                      "model": "tiny", "threads": a.threads, "repeats": a.repeats}}
+                      "model": a.model, "threads": a.threads, "repeats": a.repeats}}
     r["token_ratio"] = cost["token_passes"] / cost["token_passes_shared"]
     r["flops_ratio"] = cost["flops_per_update"] / cost["flops_per_update_shared"]
     if a.json:
