@@ -119,17 +119,21 @@ def rounds_section(run: RunData) -> str:
         if r > 1 and all(number(get(x, k)) is not None for x in (first, sampled) for k in ("after", "stderr_after")):
             se = math.hypot(get(first, "stderr_after"), get(sampled, "stderr_after"))
             gain = (get(sampled, "after") - get(first, "after")) / se if se > 0 else None
-        rows.append([td(r), td(get(sd, "examples"), f"self-distill{at}.examples"),
-                     td(get(sd, "prompts"), f"self-distill{at}.prompts"),
-                     td(get(data, "replaced_by_self_distill"), f"sft{at}.data.samples.replaced_by_self_distill"),
+        made = ([td(None, None, "— (SFT's own mix)")] * 3 if r == 1 else
+                [td(get(sd, "examples"), f"self-distill{at}.examples"), td(get(sd, "prompts"), f"self-distill{at}.prompts"),
+                 td(get(data, "replaced_by_self_distill"), f"sft{at}.data.samples.replaced_by_self_distill")])
+        rows.append([td(r), *made,
                      _acc_cell(get(greedy, "after"), get(greedy, "stderr_after"), get(greedy, "n"),
                                f"rl-reasoning{at}.heldout_accuracy.after"),
+                     _acc_cell(get(sampled, "before"), get(sampled, "stderr_before"), get(sampled, "n"),
+                               f"rl-reasoning{at}.heldout_sampled_accuracy.before"),
                      _acc_cell(get(sampled, "after"), get(sampled, "stderr_after"), get(sampled, "n"),
                                f"rl-reasoning{at}.heldout_sampled_accuracy.after"),
-                     td(gain, None if r == 1 else f"rounds.{r}.gain_in_stderr")])
+                     td(None, None, "—") if r == 1 else td(gain, f"rounds.{r}.gain_in_stderr")])
     return ("<h3>Iterative self-distillation: rounds</h3>"
             + table(["round", "distilled examples", "prompts sampled", "SFT demonstrations replaced",
-                     "rl-reasoning held-out greedy after", "sampled after", "sampled vs round 1, in s.e."], rows)
+                     "rl-reasoning held-out greedy after", "sampled before (the round's SFT model)",
+                     "sampled after", "sampled after vs round 1, in s.e."], rows)
             + note("Round R (self_distill.iterations) rejection-samples round R−1's rl-reasoning model: its "
                    "verified, distinct responses (at most cap_per_prompt a prompt) replace SFT's direct "
                    "demonstrations of their domain, and SFT and the RL stages run again. The held-out prompts "
