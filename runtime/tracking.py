@@ -266,7 +266,7 @@ class MLflowTracker(Tracker):
     def _fill(self, run: str, spec: Any, result: Any, runner: Any, seconds: float | None) -> None:
         m = result.manifest
         if result.state == "cached":
-            produced = self._find(f"tags.`runtime.stage` = '{spec.name}' and tags.`glmforge.key` = '{result.key}' "
+            produced = self._find(f"tags.`glmforge.stage` = '{spec.name}' and tags.`glmforge.key` = '{result.key}' "
                                   "and tags.`glmforge.state` = 'done'")
             self.client.set_tag(run, "glmforge.produced_by", produced or "unknown (not tracked)")
             self.client.set_terminated(run, "FINISHED")
