@@ -120,6 +120,7 @@ def _print_stages(record: dict) -> None:
         if s["state"] in ("running", "interrupted"):
             reached = [f"step {s['step']}" if s.get("step") is not None else "",
                        f"checkpoint at step {s['checkpoint_step']}" if s.get("checkpoint_step") is not None
+                       else f"checkpoint after chunk {s['checkpoint_chunks']}" if s.get("checkpoint_chunks")
                        else "no checkpoint yet" if "checkpoint_step" in s else ""]
             extra += "  " + ", ".join(x for x in reached if x) if any(reached) else ""
             if s.get("resume"):

@@ -384,10 +384,12 @@ class RunRecord:
 
 def stage_progress(store: Store, home: Path | None, stage: str, work_key: str) -> dict[str, Any]:
     """How far a stage that has not published got: `step`, the last step in its metrics.jsonl,
-    and `checkpoint_step`, its newest complete checkpoint's (the `latest` pointer,
-    training.checkpoint), from its working folder when this machine has it, else from the
-    checkpoint mirrored to a remote store. None where nothing is recorded."""
-    out: dict[str, Any] = {"step": None, "checkpoint_step": None}
+    `checkpoint_step`, its newest complete checkpoint's (the `latest` pointer,
+    training.checkpoint), and `checkpoint_chunks`, the chunks a chunked stage's cursor holds
+    (a `*.cursor.json` with "chunks": rl-prompts, self-distill), from its working folder when
+    this machine has it, else from the checkpoint mirrored to a remote store. None where nothing
+    is recorded."""
+    out: dict[str, Any] = {"step": None, "checkpoint_step": None, "checkpoint_chunks": None}
     folder = home / "work" / stage / work_key / "checkpoint" if home else None
     if folder is not None and folder.is_dir():
         metrics_path = folder / "metrics.jsonl"
@@ -396,6 +398,9 @@ def stage_progress(store: Store, home: Path | None, stage: str, work_key: str) -
         latest = sorted(folder.rglob("latest"), key=lambda p: len(p.parts))
         if latest:
             out["checkpoint_step"] = _tag_step(latest[0].read_text())
+        cursors = sorted(folder.glob("*.cursor.json"))
+        if cursors:
+            out["checkpoint_chunks"] = _chunks(cursors[0].read_text())
         return out
     if store.local_path("") is None:                # a remote store holds the mirrored checkpoint
         prefix = f"checkpoints/{stage}/{work_key}/"
@@ -406,9 +411,20 @@ def stage_progress(store: Store, home: Path | None, stage: str, work_key: str) -
                 out["checkpoint_step"] = _tag_step(store.get_bytes(latest[0]).decode())
             if prefix + "metrics.jsonl" in names:
                 out["step"] = _last_step(store.get_bytes(prefix + "metrics.jsonl").decode(errors="replace"))
+            cursors = sorted(n for n in names if n.count("/") == prefix.count("/") and n.endswith(".cursor.json"))
+            if cursors:
+                out["checkpoint_chunks"] = _chunks(store.get_bytes(cursors[0]).decode(errors="replace"))
         except Exception as e:                      # a status must show, whatever the store says
             log.warning("%s: checkpoint in %s not readable: %s", stage, store.uri, e)
     return out
+
+
+def _chunks(text: str) -> int | None:
+    try:
+        n = json.loads(text).get("chunks")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return n if isinstance(n, int) else None
 
 
 def _last_step(text: str) -> int | None:

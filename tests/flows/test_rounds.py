@@ -52,8 +52,11 @@ def test_a_round_killed_inside_resumes_inside_it_with_round_one_cached(tiny_run,
     states = {s["name"]: s["state"] for s in after["stages"]}
     assert states["self-distill@2"] == "interrupted" and states.get("sft@2") != "done"
     assert {states[n] for n in ("sft", "rl-prompts", "rl-reasoning")} == {"cached"}
-    assert next(s for s in after["stages"] if s["name"] == "self-distill@2")["resume"] == \
-        f"glmforge resume self-distill@2 --run {after['run']['id']}"
+    stopped = next(s for s in after["stages"] if s["name"] == "self-distill@2")
+    assert stopped["resume"] == f"glmforge resume self-distill@2 --run {after['run']['id']}"
+    assert stopped["checkpoint_chunks"] == done_at_kill                # the chunk cursor it goes on from
+    printed = subprocess.run([*GLMFORGE, "status"], env=env, cwd=REPO, capture_output=True, text=True).stdout
+    assert f"checkpoint after chunk {done_at_kill}; continue it with `glmforge resume self-distill@2" in printed
 
     resumed = subprocess.run([*GLMFORGE, "resume", "self-distill@2"], env=env, cwd=REPO, capture_output=True,
                              text=True)

@@ -259,3 +259,24 @@ def test_a_stop_whose_exception_was_lost_starts_no_further_stage(tmp_path, jsonl
     saved = RunRecord.load(runner.store)
     assert saved.state == "interrupted"
     assert [s["state"] for s in saved.stages][:2] == ["done", "interrupted"]
+
+
+def test_progress_of_an_interrupted_stage_reads_its_steps_its_checkpoint_and_its_chunk_cursor(tmp_path):
+    """What `glmforge status` says of a stage that did not publish: the training loop's last step
+    and `latest` checkpoint, or a chunked stage's cursor (rl-prompts, self-distill)."""
+    from runtime.runner import stage_progress
+
+    store = LocalStore(tmp_path / "store")
+    train = tmp_path / "home" / "work" / "sft" / "k1" / "checkpoint"
+    train.mkdir(parents=True)
+    (train / "metrics.jsonl").write_text('{"step": 3}\n{"step": 4}\n{"ste')      # a line cut by a kill
+    (train / "latest").write_text("step_00000004")
+    chunked = tmp_path / "home" / "work" / "self-distill@2" / "k2" / "checkpoint"
+    chunked.mkdir(parents=True)
+    (chunked / "rows.cursor.json").write_text(json.dumps({"chunks": 2, "bytes": 100}))
+    home = tmp_path / "home"
+    assert stage_progress(store, home, "sft", "k1") == {"step": 4, "checkpoint_step": 4, "checkpoint_chunks": None}
+    assert stage_progress(store, home, "self-distill@2", "k2") == {"step": None, "checkpoint_step": None,
+                                                                  "checkpoint_chunks": 2}
+    assert stage_progress(store, home, "rl-prompts", "none") == {"step": None, "checkpoint_step": None,
+                                                                 "checkpoint_chunks": None}
