@@ -622,10 +622,13 @@ def envs_build(
 ApiOpt = typer.Option(None, "--api", help="Prefect API URL (default: $PREFECT_API_URL, else http://127.0.0.1:4200/api)")
 
 
-def _schedules():
-    from glmforge import schedules
+SCHEDULES = "tasks.schedules"   # the Prefect client's side, reached by name like the flows (tests/test_layers.py)
 
-    return schedules
+
+def _schedules():
+    import importlib
+
+    return importlib.import_module(SCHEDULES)
 
 
 @schedule_app.command("ls")

@@ -94,7 +94,7 @@ class DistillConfig(BaseModel):
     gsm8k_skip: int = Field(200, ge=0, description="GSM8K train lines SFT holds out (not RL prompts)")
     use_qat: bool = Field(True, description="train with INT4 fake quantization; the INT4 export is the final model")
     qat: QATConfig = Field(QATConfig(), description=(
-        "which module kinds INT4 fake quantization and the final INT4 export quantize, and the group size"))
+        "the INT4 settings of training and export: the module kinds quantized and the group size of their scales"))
     export_hf: bool = Field(True, description="export/full + export/int4 (HF layout) besides int4/")
     gates: GateConfig = Field(GateConfig(), description=(
         "the evaluation gates: evals before and after, and the regression each may show (rl.gates)"))

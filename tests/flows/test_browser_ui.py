@@ -141,7 +141,7 @@ def _run_deployment(served, name: str, params: dict, timeout: int) -> str:
 
 
 def _api(api: str, path: str, body: dict) -> list[dict]:
-    from glmforge.schedules import call
+    from tasks.schedules import call
 
     return call(api, "POST", path, body)
 

@@ -55,7 +55,7 @@ def test_stage_deployments_with_parents_run_on_a_process_worker(served, tiny_run
 
 
 def _flow_runs(served, deployment: str) -> list[dict]:
-    from glmforge.schedules import call
+    from tasks.schedules import call
 
     return call(served.api, "POST", "/flow_runs/filter",
                 {"deployments": {"name": {"any_": [deployment]}}, "sort": "EXPECTED_START_TIME_ASC"})
@@ -174,7 +174,7 @@ def test_a_run_whose_worker_and_process_die_is_crashed_then_rerun_from_its_check
     PREFECT_API_URL takes the next file)."""
     import fcntl
 
-    from glmforge.schedules import call
+    from tasks.schedules import call
 
     lock = open(Path(served.env["PREFECT_HOME"]) / ".glmforge-db-0.lock", "a")
     with pytest.raises(BlockingIOError):
@@ -262,7 +262,7 @@ def test_a_users_cancel_reads_as_a_cancel_and_leaves_nothing_running(served, sta
     and (pretraining) the same deployment run again continues from that checkpoint."""
     import psutil
 
-    from glmforge.schedules import call
+    from tasks.schedules import call
 
     params = {"preset": "tiny", "store": str(served.home / "store"), "overrides": [*FAST, *CANCELLED_STAGES[stage]]}
     runs = _stage_run(served, params, deployment=f"stage-{stage}", stage=stage, steps_first=2)

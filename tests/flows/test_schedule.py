@@ -21,7 +21,7 @@ def _glmforge(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
 
 
 def test_interval_schedule_runs_on_a_named_pool(served, tmp_path):
-    from glmforge.schedules import PIPELINE_DEPLOYMENT, deployment
+    from tasks.schedules import PIPELINE_DEPLOYMENT, deployment
 
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps({"text": f"scheduled doc {i}"}) + "\n" for i in range(12)))
@@ -70,7 +70,7 @@ def test_interval_schedule_runs_on_a_named_pool(served, tmp_path):
 
 def _cancel_scheduled(api: str, deployment: str) -> None:
     """Delete the runs the interval schedule created ahead that have not started."""
-    from glmforge.schedules import ScheduleError, call
+    from tasks.schedules import ScheduleError, call
 
     ahead = call(api, "POST", "/flow_runs/filter", {"deployments": {"name": {"any_": [deployment]}},
                                                     "flow_runs": {"state": {"type": {"any_": ["SCHEDULED", "PENDING"]}}}})

@@ -7,7 +7,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from glmforge import schedules
+from tasks import schedules
 
 
 def _server(statuses: list[int]):

@@ -85,7 +85,7 @@ def test_serve_on_postgres_runs_the_pipeline_and_outlives_its_worker(postgres, t
     stops it all."""
     import psutil
 
-    from glmforge.schedules import call
+    from tasks.schedules import call
 
     password = postgres.split(":")[2].split("@")[0]
     port, pool = free_port(), "pg-pool"
