@@ -118,10 +118,12 @@ def _distill_recovered(m: Metrics) -> Optional[float]:
     return sum(rec) / len(rec) if rec else None
 
 
-def _round_gain(m: Metrics) -> Optional[float]:
+def round_gain(m: Metrics, r: int = 2) -> Optional[float]:
+    """rl-reasoning@r's held-out sampled accuracy after minus round 1's, in standard errors of
+    the difference (None: a round not run or not recorded)."""
     first = (m.get("rl-reasoning") or {}).get("heldout_sampled_accuracy") or {}
-    second = (m.get("rl-reasoning@2") or {}).get("heldout_sampled_accuracy") or {}
-    vals = [_num(x.get(k)) for x in (first, second) for k in ("after", "stderr_after")]
+    later = (m.get(f"rl-reasoning@{r}") or {}).get("heldout_sampled_accuracy") or {}
+    vals = [_num(x.get(k)) if isinstance(x, dict) else None for x in (first, later) for k in ("after", "stderr_after")]
     if None in vals:
         return None
     a1, s1, a2, s2 = vals
@@ -166,7 +168,7 @@ EFFECTS: tuple[Effect, ...] = (
     Effect("distill_recovered", "distill", "share of the gap to its teachers the student won back (mean)", "> 0",
            _distill_recovered, lambda v, m: v > 0),
     Effect("self_distill_round_gain", "rl-reasoning@2", "held-out sampled accuracy after round 2 minus after round "
-           "1, in standard errors", "> 2", _round_gain, lambda v, m: v > 2),
+           "1, in standard errors", "> 2", round_gain, lambda v, m: v > 2),
 )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from glmforge.effects import round_gain
 from glmforge.report.data import RunData
 from glmforge.report.gates import gates_section
 from glmforge.report.pieces import (
@@ -107,7 +108,7 @@ def rounds_section(run: RunData) -> str:
     rounds = sorted({int(n.partition("@")[2]) for n in run.stages if "@" in n and n.partition("@")[2].isdigit()})
     if not rounds:
         return ""
-    first = run.metrics("rl-reasoning").get("heldout_sampled_accuracy")
+    metrics = {n: run.metrics(n) for n in ("rl-reasoning", *(f"rl-reasoning@{r}" for r in rounds))}
     rows = []
     for r in [1, *rounds]:
         at = "" if r == 1 else f"@{r}"
@@ -115,10 +116,6 @@ def rounds_section(run: RunData) -> str:
         data = (run.metrics(f"sft{at}").get("data") or {}).get("samples") or {}
         greedy = run.metrics(f"rl-reasoning{at}").get("heldout_accuracy")
         sampled = run.metrics(f"rl-reasoning{at}").get("heldout_sampled_accuracy")
-        gain = None
-        if r > 1 and all(number(get(x, k)) is not None for x in (first, sampled) for k in ("after", "stderr_after")):
-            se = math.hypot(get(first, "stderr_after"), get(sampled, "stderr_after"))
-            gain = (get(sampled, "after") - get(first, "after")) / se if se > 0 else None
         made = ([td(None, None, "— (SFT's own mix)")] * 3 if r == 1 else
                 [td(get(sd, "examples"), f"self-distill{at}.examples"), td(get(sd, "prompts"), f"self-distill{at}.prompts"),
                  td(get(data, "replaced_by_self_distill"), f"sft{at}.data.samples.replaced_by_self_distill")])
@@ -129,7 +126,7 @@ def rounds_section(run: RunData) -> str:
                                f"rl-reasoning{at}.heldout_sampled_accuracy.before"),
                      _acc_cell(get(sampled, "after"), get(sampled, "stderr_after"), get(sampled, "n"),
                                f"rl-reasoning{at}.heldout_sampled_accuracy.after"),
-                     td(None, None, "—") if r == 1 else td(gain, f"rounds.{r}.gain_in_stderr")])
+                     td(None, None, "—") if r == 1 else td(round_gain(metrics, r), f"rounds.{r}.gain_in_stderr")])
     return ("<h3>Iterative self-distillation: rounds</h3>"
             + table(["round", "distilled examples", "prompts sampled", "SFT demonstrations replaced",
                      "rl-reasoning held-out greedy after", "sampled before (the round's SFT model)",
