@@ -172,11 +172,11 @@ def rl_async(out: str) -> tuple[str, str]:
 
 def rl_prefix(out: str) -> tuple[str, str]:
     r = last_json(out)
-    return (f"a group's prompt once vs once per sample: trainer update {r['trainer_s']:.2f} -> "
-            f"{r['trainer_shared_s']:.2f} s = {r['trainer_speedup']:.2f}x (token passes {r['token_ratio']:.2f}x, "
-            f"FLOPs {r['flops_ratio']:.2f}x fewer); rollouts {r['rollout_s']:.2f} -> {r['rollout_shared_s']:.2f} s "
-            f"= {r['rollout_speedup']:.2f}x; agent turns with the turn cache {r['agent_s']:.2f} -> "
-            f"{r['agent_cached_s']:.2f} s = {r['agent_speedup']:.2f}x", ", ".join(f"{k} {v}" for k, v in r["settings"].items()))
+    rows = "; ".join(
+        f"{x['model']} prompt {x['prompt']}: trainer {x['trainer_s']:.2f} -> {x['trainer_shared_s']:.2f} s = "
+        f"{x['trainer_speedup']:.2f}x (FLOPs {x['flops_ratio']:.2f}x fewer), rollouts {x['rollout_speedup']:.2f}x, "
+        f"agent turns {x['agent_speedup']:.2f}x" for x in r["rows"])
+    return (f"a group's prompt once vs once per sample: {rows}", ", ".join(f"{k} {v}" for k, v in r["settings"].items()))
 
 
 def launch(out: str) -> tuple[str, str]:
@@ -302,7 +302,8 @@ BENCHES = [
           "RL rollout and trainer tokens/s, one RL step split"),
     Bench("rl_async", ["--steps", "2", "--json"], ["--json"], rl_async,
           "agentic RL, asynchronous vs synchronous, same trained samples"),
-    Bench("rl_prefix", ["--prompt", "200", "--prompts", "2", "--group", "4", "--repeats", "1", "--json"], ["--json"],
+    Bench("rl_prefix", ["--prompt", "24", "200", "--prompts", "2", "--group", "4", "--repeats", "1", "--json"],
+          ["--model", "tiny", "small", "--prompt", "24", "600", "--json"],
           rl_prefix, "RL with a group's prompt computed once vs once per sample: trainer update and rollouts"),
     Bench("rl_ranks", ["--samples", "16", "--repeats", "1", "--sync-presets", "tiny", "--json"], ["--json"], rl_ranks,
           "RL update on 1 vs 2 gloo ranks, bucketed weight sync (tiny, small), INT4 mismatch with/without routing replay"),

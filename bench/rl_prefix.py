@@ -12,10 +12,11 @@ rubric) before a short answer. Both sides of RL can compute a shared prompt once
 Both arms of each side run in this process on the same model and samples; the results agree
 (tests/rl/test_prefix_sharing.py checks log-probs, gradients and sampled tokens).
 
-    .venv/bin/python bench/rl_prefix.py [--model tiny|small] [--prompt 600] [--response 32] [--group 8] [--prompts 4] [--json]
+    .venv/bin/python bench/rl_prefix.py [--model tiny small] [--prompt 24 600] [--response 32] [--group 8] [--prompts 4] [--json]
 
---model: the model the tiny or small preset pretrains (configs/*.yaml: pretrain.model_preset and
-model_overrides); --prompt 600 is rl-general's tool prompts, ~24 rl-reasoning's addition prompts.
+--model: the models the tiny or small preset pretrains (configs/*.yaml: pretrain.model_preset and
+model_overrides); --prompt 600 is rl-general's tool prompts, ~24 rl-reasoning's addition prompts;
+every model is timed at every prompt length.
 
 Prints per side the seconds of each arm and their ratio, and the trainer's token passes per
 update (tokens through the layers, a backward counted as two forwards) and FLOPs per update
@@ -172,10 +173,39 @@ def agent_arm(model: GLMModel, a, cached: bool, repeats: int) -> float:
     return best(run, repeats)
 
 
+def measure(model_name: str, prompt: int, a) -> dict:
+    """Both arms of each side for one model and prompt length."""
+    from glmforge.config import load_config
+
+    torch.manual_seed(0)
+    pretrain = load_config(model_name).pretrain
+    cfg = preset(pretrain.model_preset, **pretrain.model_overrides)
+    model = GLMModel(cfg)
+    a = argparse.Namespace(**{**vars(a), "prompt": prompt})
+    samples = samples_for(a, cfg.vocab_size)
+    cost = update_cost(samples, cfg, minibatches=2)
+
+    trainer_arm(model, samples[:2], False, 1)          # warm-up: first-call allocations and kernel set-up
+    train = {share: trainer_arm(model, samples, share, a.repeats) for share in (False, True)}
+    model.eval()
+    roll = {share: rollout_arm(model, a, share, a.repeats) for share in (False, True)}
+    agent = {cached: agent_arm(model, a, cached, a.repeats) for cached in (False, True)}
+    r = {"model": model_name, "prompt": prompt,
+         "trainer_s": train[False], "trainer_shared_s": train[True], "trainer_speedup": train[False] / train[True],
+         "rollout_s": roll[False], "rollout_shared_s": roll[True], "rollout_speedup": roll[False] / roll[True],
+         "agent_s": agent[False], "agent_cached_s": agent[True], "agent_speedup": agent[False] / agent[True],
+         **cost}
+    r["token_ratio"] = cost["token_passes"] / cost["token_passes_shared"]
+    r["flops_ratio"] = cost["flops_per_update"] / cost["flops_per_update_shared"]
+    return r
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=("tiny", "small"), default="tiny", help="the preset whose model to time")
-    ap.add_argument("--prompt", type=int, default=600, help="prompt tokens (rl-general's tool prompts: ~600)")
+    ap.add_argument("--model", choices=("tiny", "small"), nargs="+", default=["tiny"],
+                    help="the presets whose models to time (each with every --prompt)")
+    ap.add_argument("--prompt", type=int, nargs="+", default=[600],
+                    help="prompt tokens (rl-general's tool prompts: ~600; rl-reasoning's addition prompts: ~24)")
     ap.add_argument("--response", type=int, default=32, help="response tokens at most")
     ap.add_argument("--group", type=int, default=8, help="samples per prompt (GLM-5: 32)")
     ap.add_argument("--prompts", type=int, default=4)
@@ -185,36 +215,21 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    torch.manual_seed(0)
-    from glmforge.config import load_config
-
-    pretrain = load_config(a.model).pretrain
-    cfg = preset(pretrain.model_preset, **pretrain.model_overrides)
-    model = GLMModel(cfg)
-    samples = samples_for(a, cfg.vocab_size)
-
-    cost = update_cost(samples, cfg, minibatches=2)
-
-    trainer_arm(model, samples[:2], False, 1)          # warm-up: first-call allocations and kernel set-up
-    train = {share: trainer_arm(model, samples, share, a.repeats) for share in (False, True)}
-    model.eval()
-    roll = {share: rollout_arm(model, a, share, a.repeats) for share in (False, True)}
-    agent = {cached: agent_arm(model, a, cached, a.repeats) for cached in (False, True)}
-    r = {"trainer_s": train[False], "trainer_shared_s": train[True], "trainer_speedup": train[False] / train[True],
-         "rollout_s": roll[False], "rollout_shared_s": roll[True], "rollout_speedup": roll[False] / roll[True],
-         "agent_s": agent[False], "agent_cached_s": agent[True], "agent_speedup": agent[False] / agent[True],
-         **cost,
-         "settings": {"prompt": a.prompt, "response": a.response, "group": a.group, "prompts": a.prompts, "turns": a.turns,
-                      "model": a.model, "threads": a.threads, "repeats": a.repeats}}
-    r["token_ratio"] = cost["token_passes"] / cost["token_passes_shared"]
-    r["flops_ratio"] = cost["flops_per_update"] / cost["flops_per_update_shared"]
+    rows = []
+    for model_name in a.model:
+        for prompt in a.prompt:
+            r = measure(model_name, prompt, a)
+            rows.append(r)
+            if not a.json:
+                print(f"{model_name}, prompt {prompt}: trainer {r['trainer_s']:.2f} s per update -> "
+                      f"{r['trainer_shared_s']:.2f} s shared = {r['trainer_speedup']:.2f}x (token passes "
+                      f"{r['token_ratio']:.2f}x fewer, FLOPs {r['flops_ratio']:.2f}x fewer); rollouts {r['rollout_s']:.2f} "
+                      f"-> {r['rollout_shared_s']:.2f} s = {r['rollout_speedup']:.2f}x; agent turns {r['agent_s']:.2f} "
+                      f"-> {r['agent_cached_s']:.2f} s with the turn cache = {r['agent_speedup']:.2f}x", flush=True)
     if a.json:
-        print(json.dumps(r, indent=1))
-        return
-    print(f"trainer: {train[False]:.2f} s per update -> {train[True]:.2f} s shared = {r['trainer_speedup']:.2f}x; "
-          f"token passes {r['token_ratio']:.2f}x fewer, FLOPs {r['flops_ratio']:.2f}x fewer")
-    print(f"rollouts: {roll[False]:.2f} s -> {roll[True]:.2f} s shared = {r['rollout_speedup']:.2f}x")
-    print(f"agent turns: {agent[False]:.2f} s -> {agent[True]:.2f} s with the turn cache = {r['agent_speedup']:.2f}x")
+        print(json.dumps({"rows": rows, "settings": {"response": a.response, "group": a.group, "prompts": a.prompts,
+                                                     "turns": a.turns, "threads": a.threads, "repeats": a.repeats}},
+                         indent=1))
 
 
 if __name__ == "__main__":
