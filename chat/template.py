@@ -463,11 +463,23 @@ def parse_assistant(text: str, tools: Sequence[dict] | None = None) -> ParseResu
                        tuple(errors), stop)
 
 
-def pair_text_ids(tokenizer, prompt: str, reply: str, max_len: int) -> tuple[list[int], int]:
-    """The conversation's ids (the last max_len kept) and where the reply starts in them."""
-    user = [Message("user", prompt, thinking=False)]
-    head = encode(tokenizer, user, thinking_mode="turn", add_generation_prompt=True).ids
-    ids = encode(tokenizer, [*user, Message("assistant", reply)], thinking_mode="turn").ids
-    start = next((i for i, (a, b) in enumerate(zip(head, ids)) if a != b), min(len(head), len(ids)))
+def reply_text(m: Message) -> str:
+    """What the model generates for a thinking-off turn's assistant message `m`, its end token
+    included: the content and tool calls after the template's empty think block, then
+    <|observation|> after tool calls, <|endoftext|> otherwise (reply_ids' `raw`)."""
+    if m.reasoning:
+        raise ValueError("reply_text: a thinking-off turn has no reasoning")
+    return assistant_text(m)[len(THINK + END_THINK):] + (OBSERVATION if m.tool_calls else EOS)
+
+
+def reply_ids(tokenizer, prompt: str, raw: str, max_len: int, tools: Sequence[dict] | None = None
+              ) -> tuple[list[int], int]:
+    """The ids of a one-turn conversation, thinking off: the user's `prompt` (after the tools'
+    system prompt when `tools` are declared) and the assistant's `raw` reply as the model wrote it,
+    special tokens included (tool calls, the end token; a malformed call stays malformed). The
+    last max_len ids are kept, with where the reply starts in them."""
+    head = encode(tokenizer, [Message("user", prompt, thinking=False)], tools, thinking_mode="turn",
+                  add_generation_prompt=True).ids
+    ids = head + tokenizer.encode(raw, add_special_tokens=False).ids
     cut = max(0, len(ids) - max_len)
-    return ids[cut:], max(1, start - cut)
+    return ids[cut:], max(1, len(head) - cut)

@@ -18,6 +18,17 @@ The pairs (chosen = a reference answer, rejected = the same answer damaged; one 
                 that breaks it (a comparison, arithmetic operator or boolean flipped; with none
                 present, the last half of the lines dropped)
     arithmetic  domains.arithmetic train pairs. Chosen: the sum's digits; rejected: one digit wrong
+    tool        GSM8K train problems after the gsm8k pairs' with the calculator declared. Chosen: the
+                solution's first calculator call (the tool call as SFT's tool_calc demonstrations
+                make it). Rejected, by turns:
+                  plain_wrong   a plain answer with a wrong final number, no call
+                  malformed     the same call with its markup broken (an unterminated argument,
+                                an undeclared tool, an unclosed call, a value without its key)
+                  wrong_step    a call whose expression (one number changed) computes none of
+                                the solution's calculator steps
+Replies are the raw text the model writes (chat.template.reply_text: special tokens and the end
+token included) in a one-turn conversation with the pair's tools declared (chat.template.reply_ids),
+so a tool call is a sequence of the same tokens a policy's call is.
 A pair is held out when crc32(prompt) % 100 < heldout_percent: the held-out pairwise accuracy
 (the share of held-out pairs scored chosen > rejected; a tie counts one half) is the stage's
 headline number, also read by rl-general. The construction is deterministic given the seed.
@@ -41,7 +52,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from chat.template import pair_text_ids
+from chat.template import Message, ToolCall, reply_ids, reply_text
 from data_processing.tokenizer import load_tokenizer
 from domains import arithmetic
 from domains.pools import MBPP_TRAIN_IDS
@@ -77,6 +88,9 @@ class RewardModelConfig(BaseModel):
         "preference pairs from MBPP training problems (the reference code against one breaking mutation)"))
     arithmetic_pairs: int = Field(500, ge=0, description=(
         "preference pairs from the synthetic addition task (one digit wrong)"))
+    tool_pairs: int = Field(600, ge=0, description=(
+        "preference pairs from GSM8K problems with the calculator declared: the solution's first calculator "
+        "call against a plain wrong answer, the call malformed, or a call that computes no step of the solution"))
     heldout_percent: int = Field(10, ge=1, le=50, description=(
         "percent of the pairs held out (by a hash of the prompt) for the held-out pairwise accuracy"))
     eval_batch: int = Field(32, ge=1, description="pairs per forward pass of the held-out evaluation")
@@ -94,10 +108,11 @@ class RewardModelConfig(BaseModel):
 # ---------------------------------------------------------------- pairs
 @dataclass(frozen=True)
 class Pair:
-    kind: str            # gsm8k/wrong_number, gsm8k/truncated, mbpp/mutated, arithmetic/digit
+    kind: str            # gsm8k/wrong_number, gsm8k/truncated, mbpp/mutated, arithmetic/digit, tool/...
     prompt: str
-    chosen: str
+    chosen: str          # raw replies (reply_text): what the model writes, end token included
     rejected: str
+    tools: tuple[dict, ...] | None = None     # declared in the conversation's system prompt
 
 
 _MUTATIONS = [("==", "!="), ("!=", "=="), ("<=", ">"), (">=", "<"), (" < ", " >= "), (" > ", " <= "),
@@ -130,13 +145,13 @@ def gsm8k_pairs(path: str, skip: int, n: int, seed: int) -> list[Pair]:
                 wrong_s = str(int(wrong)) if wrong == int(wrong) else str(wrong)
             except ValueError:
                 wrong_s = p.answer + "0"
-            out.append(Pair("gsm8k/wrong_number", p.question, chosen, f"{p.rationale}\n#### {wrong_s}"))
+            out.append(Pair("gsm8k/wrong_number", p.question, plain(chosen), plain(f"{p.rationale}\n#### {wrong_s}")))
         else:
             lines = p.rationale.split("\n")
             cut = "\n".join(lines[: max(1, len(lines) // 2)])
             if len(lines) == 1:
                 cut = p.rationale[: max(1, len(p.rationale) // 2)]
-            out.append(Pair("gsm8k/truncated", p.question, chosen, cut))
+            out.append(Pair("gsm8k/truncated", p.question, plain(chosen), plain(cut)))
     return out
 
 
@@ -160,7 +175,7 @@ def mbpp_pairs(path: str, n: int, seed: int) -> list[Pair]:
         bad = mutate_code(code, rng)
         if bad != code:
             prompt = f"{rec['text'].strip()} Your code should pass this test:\n{tests[0]}"
-            out.append(Pair("mbpp/mutated", prompt, f"```python\n{code}\n```", f"```python\n{bad}\n```"))
+            out.append(Pair("mbpp/mutated", prompt, plain(f"```python\n{code}\n```"), plain(f"```python\n{bad}\n```")))
         if len(out) >= n:
             break
     return out
@@ -168,16 +183,74 @@ def mbpp_pairs(path: str, n: int, seed: int) -> list[Pair]:
 
 def arithmetic_pairs(n: int, seed: int) -> list[Pair]:
     rng = random.Random(seed + 2)
-    return [Pair("arithmetic/digit", t.prompt, t.answer, arithmetic.corrupted(t.answer, rng))
+    return [Pair("arithmetic/digit", t.prompt, plain(t.answer), plain(arithmetic.corrupted(t.answer, rng)))
             for t in arithmetic.tasks(n, "train", seed)]
+
+
+def _same(a: str, b: str) -> bool:
+    return abs(float(a) - float(b)) <= 1e-6 * max(1.0, abs(float(a)))
+
+
+_BREAKS = (("</arg_value>", ""), ("calculator", "calc"), ("</tool_call>", ""), ("<arg_key>expression</arg_key>", ""))
+
+
+def tool_pairs(path: str, skip: int, n: int, seed: int) -> list[Pair]:
+    """The `tool` pairs (module doc) from the problems after line `skip`, at most n: problems
+    whose calculator steps the calculator reproduces (as SFT's tool_calc keeps them)."""
+    from domains.gsm8k import read_gsm8k
+    from domains.tools import CALCULATOR, calculator
+
+    rng = random.Random(seed + 3)
+    tools = (CALCULATOR,)
+    out: list[Pair] = []
+    for p in read_gsm8k(path)[skip:]:
+        if len(out) >= n:
+            break
+        try:
+            steps = [calculator(expr) for _, expr, note in p.calls if _same(calculator(expr), note.replace(",", ""))]
+        except ValueError:
+            continue
+        if not p.calls or len(steps) != len(p.calls):
+            continue
+        expr = p.calls[0][1]
+        chosen = reply_text(Message("assistant", tool_calls=(ToolCall("calculator", {"expression": expr}),)))
+        kind = ("plain_wrong", "malformed", "wrong_step")[len(out) % 3]
+        if kind == "plain_wrong":
+            try:
+                wrong = float(p.answer) + rng.choice([-1, 1]) * rng.randint(1, 9)
+            except ValueError:
+                continue
+            rejected = plain(f"The answer is {int(wrong) if wrong == int(wrong) else wrong}.")
+        elif kind == "malformed":
+            a, b = rng.choice(_BREAKS)
+            rejected = chosen.replace(a, b, 1)
+        else:
+            numbers = list(re.finditer(r"\d+(\.\d+)?", expr))
+            m = rng.choice(numbers)
+            bad = expr[:m.start()] + str(int(float(m.group())) + rng.randint(1, 9)) + expr[m.end():]
+            try:
+                if any(_same(calculator(bad), x) for x in steps):
+                    continue
+            except ValueError:
+                continue
+            rejected = reply_text(Message("assistant", tool_calls=(ToolCall("calculator", {"expression": bad}),)))
+        out.append(Pair(f"tool/{kind}", p.question, chosen, rejected, tools))
+    return out
+
+
+def plain(text: str) -> str:
+    """A plain reply as the model writes it (no tool call): the text and the end token."""
+    return reply_text(Message("assistant", text))
 
 
 def build_pairs(cfg: RewardModelConfig, seed: int) -> tuple[list[Pair], list[Pair]]:
     """(train, held out), split by a hash of the prompt."""
     pairs = (gsm8k_pairs(cfg.gsm8k_path, cfg.gsm8k_skip, cfg.gsm8k_pairs, seed)
-             + mbpp_pairs(cfg.mbpp_path, cfg.mbpp_pairs, seed) + arithmetic_pairs(cfg.arithmetic_pairs, seed))
+             + mbpp_pairs(cfg.mbpp_path, cfg.mbpp_pairs, seed) + arithmetic_pairs(cfg.arithmetic_pairs, seed)
+             + tool_pairs(cfg.gsm8k_path, cfg.gsm8k_skip + cfg.gsm8k_pairs, cfg.tool_pairs, seed))
     if not pairs:
-        raise ValueError("reward-model: no preference pairs (gsm8k_pairs, mbpp_pairs, arithmetic_pairs all 0?)")
+        raise ValueError("reward-model: no preference pairs (gsm8k_pairs, mbpp_pairs, arithmetic_pairs, tool_pairs "
+                         "all 0?)")
     held = [p for p in pairs if zlib.crc32(p.prompt.encode()) % 100 < cfg.heldout_percent]
     train = [p for p in pairs if zlib.crc32(p.prompt.encode()) % 100 >= cfg.heldout_percent]
     if not train or not held:
@@ -226,7 +299,8 @@ def train(cfg: RewardModelConfig, inputs: dict[str, Path], workdir: Workdir, ran
     pad_id = tokenizer.token_to_id("<|pad|>")
     rm = RewardModel(backbone, pad_id)
     train, held = build_pairs(cfg, seed)
-    enc = lambda ps, side: [pair_text_ids(tokenizer, p.prompt, getattr(p, side), cfg.max_len) for p in ps]  # noqa: E731
+    enc = lambda ps, side: [reply_ids(tokenizer, p.prompt, getattr(p, side), cfg.max_len, p.tools)  # noqa: E731
+                            for p in ps]
     tr_c, tr_r = enc(train, "chosen"), enc(train, "rejected")
     he_c, he_r, kinds = enc(held, "chosen"), enc(held, "rejected"), [p.kind for p in held]
     root, log_path = workdir.checkpoint / trainer.CHECKPOINTS, workdir.checkpoint / "metrics.jsonl"

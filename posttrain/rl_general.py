@@ -3,13 +3,15 @@
     rl-agentic (weights), reward-model (ORM), sft (the GRM's weights), tokenize --> rl-general
 
 Prompts: GSM8K train questions (after the lines SFT holds out), the same questions with the
-calculator tool declared (`tool`: the format rule then checks calls against its schema), MBPP
-training descriptions and synthetic addition, drawn by `prompts` weights; one user turn, thinking
-off. Each step:
+calculator tool declared (`tool`: the rules then check calls against its schema and run them),
+MBPP training descriptions and synthetic addition, drawn by `prompts` weights; one user turn,
+thinking off. Each step:
   1. the rollout engine takes the policy's weights; `prompts_per_step` x `group_size` samples;
   2. the hybrid reward (rl.judges): rules (format via parse_assistant on the raw text with its
-     special tokens, language), the ORM (the reward-model stage's scalar head, sigmoid) and the
-     GRM (the SFT checkpoint prompted with a rubric through its own RolloutEngine, a 0-10 score),
+     special tokens, language, and on tool prompts whether the call runs), the ORM (the
+     reward-model stage's scalar head over the prompt with its tools and the raw reply, sigmoid;
+     its pairs include tool calls) and the GRM (the SFT checkpoint prompted with a rubric that
+     names tools, through its own RolloutEngine, a 0-10 score),
      weighted by `weights` (renormalised over the components present: an unparseable GRM reply
      drops that component for the sample), plus `length_weight` x the length penalty;
   3. the ORM and GRM are JudgeServices with deadlines: a judge past its deadline (or raising)
@@ -20,8 +22,10 @@ ORM and GRM verdicts (rl.judges.disagreement; a policy exploiting one judge show
 drifting from the others).
 
 Metrics: per step in metrics.jsonl / TensorBoard; for the stage: reward first/last per component,
-the verified accuracy of the arithmetic and tool prompts (verified_accuracy, never rewarded:
-the witness that a rising reward is not a gamed judge),
+the verified accuracy of the arithmetic and tool prompts (verified_accuracy: the sum, and whether
+the first call computes a step of the reference solution; never rewarded: the witness that a
+rising reward is not a gamed judge), each reward source's accuracy as a judge of that outcome on
+held-out prompts before training (judge_accuracy),
 disagreement first/last, judge failures, the ORM's held-out pairwise accuracy (from the
 reward-model artifact), the evaluation gates (rl.gates; a broken gate fails the stage).
 Checkpoints as rl-reasoning's: model, optimizer, rollout RNG, step; prompts derive from (seed, step).
@@ -39,7 +43,7 @@ from typing import Any, Literal, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from chat.template import STOP_TOKENS
+from chat.template import STOP_TOKENS, parse_assistant
 from data_processing.tokenizer import load_tokenizer
 from domains import arithmetic
 from domains.pools import gsm8k_tasks, mbpp_tasks
@@ -62,7 +66,6 @@ from rl.judges import (
     length_penalty,
     orm_judge,
     rule_reward,
-    valid_tool_call,
 )
 from rl.prompts import draw_tasks
 from rl.ranks import SINGLE, ParallelConfig, Ranks, check_placement
@@ -184,8 +187,7 @@ def general_pools(cfg: RLGeneralConfig) -> dict[str, list[Task]]:
         elif src == "mbpp":
             ts = mbpp_tasks(cfg.mbpp_path)
         elif src == "tool":
-            ts = [Task(t.domain, t.prompt, t.answer, {"tools": [CALCULATOR]})
-                  for t in gsm8k_tasks(cfg.gsm8k_path, cfg.gsm8k_skip)]
+            ts = tool_tasks(cfg.gsm8k_path, cfg.gsm8k_skip)
         else:
             ts = [arithmetic.task(a, b) for a, b in arithmetic.pairs("train")]
         pools[src] = [Task("general", t.prompt, t.answer, {**t.meta, "source": src}) for t in ts]
@@ -203,7 +205,7 @@ def hybrid_rewards(samples: list[Sample], tokenizer, judges: dict[str, JudgeServ
     todo = [s for s in samples if s.status in (Status.OK, Status.TRUNCATED)]
     raw = [tokenizer.decode(s.response_ids, skip_special_tokens=False) for s in todo]
     rules = [rule_reward(r, s.task.meta.get("tools")) for r, s in zip(raw, todo)]
-    items = [(s.task, s.text) for s in todo]
+    items = list(zip((s.task for s in todo), raw))      # the judges read the raw reply (rl.judges)
     judged = {name: svc.score(items) for name, svc in judges.items() if cfg.weights.get(name, 0) > 0}
     comps_all: list[dict[str, Optional[float]]] = []
     unparsed = 0
@@ -222,7 +224,7 @@ def hybrid_rewards(samples: list[Sample], tokenizer, judges: dict[str, JudgeServ
         pen = length_penalty(len(s.response_ids), cfg.length_target)
         s.reward = combine(comps, cfg.weights, pen, cfg.length_weight)
         s.rewards = {**{k: v for k, v in comps.items() if v is not None}, "length": pen,
-                     "format": rules[i]["format"], "language": rules[i]["language"]}
+                     **{k: v for k, v in rules[i].items() if k != "rule"}}
         comps_all.append(comps)
     extra = {"grm_unparsed_fraction": unparsed / max(len(comps_all), 1)}
     return failures, comps_all, extra
@@ -235,15 +237,55 @@ VERIFIED = {"arithmetic": "arithmetic"}
 
 def verified(s: Sample, tokenizer) -> tuple[str, float] | None:
     """(what was verified, 1.0 or 0.0) for a sample whose prompt source has a safe checker
-    (verified_accuracy's), None otherwise."""
+    (verified_accuracy's), None otherwise. A tool prompt's outcome is `tool_step`: the reply's
+    first tool call parses against the declared tools and the calculator computes one of the
+    reference solution's calculator steps with it (calls_step). The rules pay a call the tool
+    runs; whether it computes a step of the solution needs the reference, which no judge sees."""
     src = s.task.meta.get("source")
     if src in VERIFIED:
         t = Task(VERIFIED[src], s.task.prompt, s.task.answer, s.task.meta)
         return src, REWARDS[t.domain](s.text, t).score
     if src == "tool":
         raw = tokenizer.decode(s.response_ids, skip_special_tokens=False)
-        return "tool_call", float(valid_tool_call(raw, s.task.meta["tools"]))
+        return "tool_step", float(calls_step(raw, s.task.meta["tools"], s.task.meta["steps"]))
     return None
+
+
+def calls_step(raw: str, tools: list[dict], steps: list[str]) -> bool:
+    """The reply's first tool call is well formed against `tools`, is the calculator, and its
+    expression evaluates to one of `steps` (the reference solution's calculator results)."""
+    from domains.tools import calculator
+
+    parsed = parse_assistant(raw, tools=tools)
+    if not parsed.ok or not parsed.message.tool_calls:
+        return False
+    call = parsed.message.tool_calls[0]
+    try:
+        value = float(calculator(str(call.arguments.get("expression", ""))))
+    except ValueError:
+        return False
+    return call.name == "calculator" and any(abs(value - float(x)) <= 1e-6 * max(1.0, abs(value)) for x in steps)
+
+
+def tool_tasks(path: str, skip: int) -> list[Task]:
+    """GSM8K questions after `skip` lines with the calculator declared, each with the results of
+    its reference solution's calculator steps (meta `steps`; questions whose annotations the
+    calculator cannot reproduce have none and are left out)."""
+    from domains.gsm8k import read_gsm8k
+    from domains.tools import calculator
+
+    out = []
+    for i, p in enumerate(read_gsm8k(path)[skip:]):
+        steps = []
+        for _, expr, _ in p.calls:
+            try:
+                steps.append(calculator(expr))
+            except ValueError:
+                pass
+        if steps:
+            out.append(Task("general", p.question, p.answer,
+                            {"line": skip + i + 1, "tools": [CALCULATOR], "source": "tool", "steps": steps}))
+    return out
 
 
 def judge_tasks(cfg: RLGeneralConfig, seed: int) -> list[Task]:
@@ -252,8 +294,7 @@ def judge_tasks(cfg: RLGeneralConfig, seed: int) -> list[Task]:
     half = cfg.judge_eval // 2
     arith = [Task("general", t.prompt, t.answer, {**t.meta, "source": "arithmetic"})
              for t in arithmetic.tasks(cfg.judge_eval - half, "heldout", seed)]
-    tool = [Task("general", t.prompt, t.answer, {"tools": [CALCULATOR], "source": "tool"})
-            for t in gsm8k_tasks(cfg.gates.evals.gsm8k_path, 0)[:half]]
+    tool = tool_tasks(cfg.gates.evals.gsm8k_path, 0)[:half]
     return arith + tool
 
 
@@ -298,9 +339,9 @@ def judge_accuracy(engine, tokenizer, services: dict[str, JudgeService], cfg: RL
 
 def verified_accuracy(samples: list[Sample], tokenizer) -> dict[str, float]:
     """Per prompt source with a checker, the share of samples that get it right: the arithmetic
-    answer, and for the tool prompts at least one tool call that parses against the declared tools
-    (the gates' tool_call_validity, on sampled replies). Never part of the reward: it tells a policy
-    that got better from one that learned to please its judges."""
+    answer, and for the tool prompts a first call that computes a step of the reference solution
+    (verified). Never part of the reward: it tells a policy that got better from one that learned
+    to please its judges."""
     hits: dict[str, list[float]] = {}
     for s in samples:
         v = verified(s, tokenizer)
@@ -314,7 +355,7 @@ def step_record(step: int, samples: list[Sample], tokenizer, comps: list[dict[st
                 seconds: dict[str, float]) -> dict[str, Any]:
     scored = [s for s in samples if s.status in (Status.OK, Status.TRUNCATED)]
     rec: dict[str, Any] = {"step": step, "reward": sum(s.reward for s in scored) / max(len(scored), 1)}
-    for key in (*COMPONENTS, "length", "format", "language"):
+    for key in (*COMPONENTS, "length", "format", "language", "tool"):
         vals = [s.rewards[key] for s in scored if key in s.rewards]
         if vals:
             rec[f"reward/{key}"] = sum(vals) / len(vals)

@@ -2,13 +2,20 @@
 model (GRM), and the service that runs a judge with a deadline.
 
     rules   format (parse_assistant: template well formed, think blocks closed, tool calls valid
-            against the declared tools) and language (share of ASCII letters among the letters:
-            the prompts are English); both in [0, 1], `rule` is their mean
+            against the declared tools), language (share of ASCII letters among the letters: the
+            prompts are English) and, where the prompt declares tools, tool (tool_rule: a call
+            the tool runs 1, no call 0.5, a malformed call or one the tool refuses 0); each in
+            [0, 1], `rule` is their mean
     orm     sigmoid of the reward-model stage's score (posttrain.reward_model), standardised by the
-            scores' mean and std on its held-out replies
-    grm     an earlier checkpoint prompted with a rubric, through the rollout engine: the first
-            integer 0-10 of its greedy reply / 10, or the expected verdict over its first token's
-            distribution (grm_judge); no verdict: the component is missing
+            scores' mean and std on its held-out replies; it reads the conversation as the policy
+            saw and wrote it: the declared tools and the raw reply, tool calls included
+    grm     an earlier checkpoint prompted with a rubric that says what a good reply does, tools
+            included, shown the tools offered and the reply with its calls written out
+            (judge_view), through the rollout engine: the first integer 0-10 of its greedy reply
+            / 10, or the expected verdict over its first token's distribution (grm_judge); no
+            verdict: the component is missing
+Every judge takes (task, raw reply) items: the reply decoded with its special tokens, so a tool
+call is something each judge can see (decoded without them, a call is only its argument text).
     length  -max(0, len - target) / target: the length penalty, a guard against reward hacking by
             verbosity (the ORM and a small GRM both tend to prefer longer answers)
 
@@ -22,6 +29,7 @@ belongs in rl.rewards.RewardWorker's killable process instead.
 """
 from __future__ import annotations
 
+import json
 import math
 import queue
 import re
@@ -48,12 +56,38 @@ def language_score(text: str) -> float:
     return sum(c.isascii() for c in letters) / len(letters)
 
 
+def tool_rule(raw_text: str, tools: Sequence[dict] | None) -> float | None:
+    """On a prompt that declares tools: 1.0 when the reply calls a tool and every call parses
+    against the declared tools and the tool runs it (rl.rewards.run_tool: the calculator evaluates
+    the expression), 0.5 for a reply without a call, 0.0 for a malformed call or one the tool
+    refuses. None without tools. A plain answer is allowed, a working call pays more, a broken
+    one less; whether the call computes the right thing is not the rule's to know (the verified
+    outcome's, never rewarded)."""
+    if not tools:
+        return None
+    from chat.template import TOOL_CALL
+    from rl.rewards import run_tool
+
+    parsed = parse_assistant(raw_text, tools=tools)
+    if not parsed.message.tool_calls:
+        return 0.0 if TOOL_CALL in raw_text else 0.5
+    if not parsed.ok:
+        return 0.0
+    runs = all(not run_tool(c.name, c.arguments).startswith("error:") for c in parsed.message.tool_calls)
+    return 1.0 if runs else 0.0
+
+
 def rule_reward(raw_text: str, tools: Sequence[dict] | None = None) -> dict[str, float]:
     """format: 1.0 when the raw assistant text (special tokens kept) parses without error against
-    `tools`; language: language_score of its content; rule: their mean."""
+    `tools`; language: language_score of its content; tool: tool_rule (only with tools); rule:
+    their mean."""
     parsed = parse_assistant(raw_text, tools=tools)
-    f, lang = float(parsed.ok), language_score(parsed.message.content or "")
-    return {"format": f, "language": lang, "rule": (f + lang) / 2}
+    out = {"format": float(parsed.ok), "language": language_score(parsed.message.content or "")}
+    tool = tool_rule(raw_text, tools)
+    if tool is not None:
+        out["tool"] = tool
+    out["rule"] = sum(out.values()) / len(out)
+    return out
 
 
 def valid_tool_call(raw_text: str, tools: Sequence[dict]) -> bool:
@@ -63,13 +97,43 @@ def valid_tool_call(raw_text: str, tools: Sequence[dict]) -> bool:
     return parsed.ok and bool(parsed.message.tool_calls)
 
 
+def judge_view(raw_text: str, tools: Sequence[dict] | None) -> str:
+    """The reply as a reader sees it: its content, then each tool call written out as
+    `[tool call] name({arguments})`, or `[malformed tool call]` when its markup does not parse
+    against `tools` (the GRM's view: a rubric prompt cannot carry the special tokens themselves)."""
+    from chat.template import TOOL_CALL
+
+    parsed = parse_assistant(raw_text, tools=tools)
+    text = (parsed.message.content or "").strip()
+    if parsed.ok:
+        calls = [f"[tool call] {c.name}({json.dumps(c.arguments, ensure_ascii=False)})" for c in parsed.message.tool_calls]
+    else:
+        calls = ["[malformed tool call]"] if TOOL_CALL in raw_text else []
+    return "\n".join([text, *calls] if text else calls)
+
+
+def tools_line(tools: Sequence[dict] | None) -> str:
+    """The tools a prompt offers, one line for the GRM: name (parameters): description."""
+    if not tools:
+        return "none"
+    out = []
+    for t in tools:
+        f = t.get("function", t)
+        params = ", ".join((f.get("parameters") or {}).get("properties") or {})
+        out.append(f"{f.get('name')}({params}): {f.get('description', '')}".strip())
+    return "; ".join(out)
+
+
 def length_penalty(n_tokens: int, target: int) -> float:
     return -max(0, n_tokens - target) / target
 
 
 # ---------------------------------------------------------------- GRM
-RUBRIC = ("You are grading an assistant's reply. Rate it from 0 (useless or wrong) to 10 (correct, "
-          "helpful, clear and concise). Reply with the number only.\n\nQuestion: {prompt}\n\nReply: {reply}")
+RUBRIC = ("You are grading an assistant's reply. A good reply is correct, helpful, clear and concise. When "
+          "tools are offered, a good reply calls a tool for a computation it cannot do reliably itself, with "
+          "well-formed arguments that compute a step of the problem, instead of guessing a number; a malformed "
+          "tool call is worse than none. Rate the reply from 0 (useless or wrong) to 10 (what a good reply "
+          "does). Reply with the number only.\n\nTools offered: {tools}\n\nQuestion: {prompt}\n\nReply: {reply}")
 _INT = re.compile(r"\d+")
 
 
@@ -114,8 +178,9 @@ def grm_judge(engine, tokenizer, scoring: str = "parse", max_new_tokens: int = 4
     numbers = score_token_ids(tokenizer) if scoring == "expected" else {}
 
     def judge(items: list[tuple[Task, str]]) -> list[Optional[float]]:
-        prefixes = [prompt_ids(tokenizer, Task("grm", RUBRIC.format(prompt=t.prompt, reply=r[:max_reply_chars]), ""))
-                    for t, r in items]
+        prefixes = [prompt_ids(tokenizer, Task("grm", RUBRIC.format(
+            tools=tools_line(t.meta.get("tools")), prompt=t.prompt,
+            reply=judge_view(r, t.meta.get("tools"))[:max_reply_chars]), "")) for t, r in items]
         if scoring == "parse":
             out = engine.complete(prefixes, params, torch.Generator())
             return [parse_grm_score(tokenizer.decode(toks, skip_special_tokens=True)) for toks, *_ in out]
@@ -133,14 +198,14 @@ def orm_judge(orm, tokenizer, max_len: int, mean: float = 0.0, std: float = 1.0)
     item, mean and std those of the ORM's scores on its held-out replies. A Bradley-Terry head is
     defined only up to a shift and a scale; unstandardised, its sigmoid sat at 0.50 +- 0.02 on the
     tiny preset and drowned under the rule rewards' 0/1 steps."""
-    from chat.template import pair_text_ids
+    from chat.template import reply_ids
 
     if std <= 0:
         raise ValueError(f"ORM judge: score std must be > 0, got {std}")
 
     @torch.no_grad()
     def judge(items: list[tuple[Task, str]]) -> list[Optional[float]]:
-        ids = [pair_text_ids(tokenizer, t.prompt, r, max_len) for t, r in items]
+        ids = [reply_ids(tokenizer, t.prompt, r, max_len, t.meta.get("tools")) for t, r in items]
         return [1 / (1 + math.exp(-(s - mean) / std)) for s in orm.score_ids(ids).tolist()]
 
     return judge

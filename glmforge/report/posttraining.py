@@ -148,7 +148,7 @@ def judges_section(run: RunData) -> str:
             + table(["reward source", "right above wrong", "pairs"], rows)
             + note(f"Before training, {fmt(m.get('samples'))} replies of the policy to each of "
                    f"{fmt(m.get('prompts'))} held-out prompts (addition, and GSM8K test questions offered the "
-                   f"calculator: a well-formed call is the verified outcome); {pct(m.get('verified_share'))} were "
+                   f"calculator: a first call that computes a step of the reference solution is the verified outcome); {pct(m.get('verified_share'))} were "
                    "verified right. Each source's share of the (right, wrong) pairs of replies to one prompt it "
                    "orders right first, a tie counting one half: 0.5 is a judge that cannot see the difference."))
 

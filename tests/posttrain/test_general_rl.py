@@ -9,22 +9,24 @@ import time
 import pytest
 import torch
 
-from chat.template import pair_text_ids
+from chat.template import Message, encode, reply_ids
 from domains.task import Task
 from runtime.stage import Workdir
 from rl import gates
 from rl.orm import RewardModel, load_reward_model
-from posttrain.reward_model import RewardModelConfig, mutate_code, pairwise_accuracy, run_reward_model
-from posttrain.rl_general import RLGeneralConfig, run_rl_general, verified_accuracy
+from posttrain.reward_model import RewardModelConfig, mutate_code, pairwise_accuracy, plain, run_reward_model, tool_pairs
+from posttrain.rl_general import RLGeneralConfig, calls_step, hybrid_rewards, run_rl_general, tool_tasks, verified_accuracy
 from rl.judges import (
     JudgeService,
     combine,
     disagreement,
     grm_judge,
+    judge_view,
     orm_judge,
     parse_grm_score,
     rule_reward,
     score_token_ids,
+    tool_rule,
 )
 from rl.sample import Sample
 from tests.posttrain._chain import artifacts, make_tokenizer
@@ -115,7 +117,7 @@ def test_reward_model_likelihood_term_is_the_replys_mean_and_min_logprob(inputs)
     from model.hf import load_state
 
     tok = load_tokenizer(inputs["tokenize"])
-    ids, start = pair_text_ids(tok, "1 + 2 =", " 3", max_len=64)
+    ids, start = reply_ids(tok, "1 + 2 =", plain(" 3"), max_len=64)
     assert tok.decode(ids[start:], skip_special_tokens=True).strip() == "3"
     rm = RewardModel(load_state(inputs["sft"] / "consolidated.safetensors"), inputs_pad(inputs)).eval()
     with torch.no_grad():
@@ -125,7 +127,7 @@ def test_reward_model_likelihood_term_is_the_replys_mean_and_min_logprob(inputs)
         reply = lp[start - 1:]
         want = float(reply.mean() + 10 * reply.min())
         # padding a second, longer conversation beside it changes nothing
-        other = pair_text_ids(tok, "a longer question about 4 + 5 here", " 9 and more words", max_len=64)
+        other = reply_ids(tok, "a longer question about 4 + 5 here", plain(" 9 and more words"), max_len=64)
         got = rm.score_ids([(ids, start), other])
     assert float(got[0]) == pytest.approx(want, abs=1e-4)
 
@@ -162,6 +164,9 @@ def test_orm_judge_standardises_and_grm_reads_the_expected_verdict(inputs):
         grm_judge(Engine(0.4), tok, "vote")
 
 
+CALL = "<tool_call>calculator<arg_key>expression</arg_key><arg_value>{}</arg_value></tool_call><|observation|>"
+
+
 def test_verified_accuracy_checks_only_sources_with_a_safe_checker(inputs):
     from data_processing.tokenizer import load_tokenizer
     from domains.tools import CALCULATOR
@@ -169,17 +174,122 @@ def test_verified_accuracy_checks_only_sources_with_a_safe_checker(inputs):
     tok = load_tokenizer(inputs["tokenize"])
 
     def sample(src, answer, text, tools=None):
-        s = Sample(Task("general", "p", answer, {"source": src, **({"tools": tools} if tools else {})}), 0, [])
+        meta = {"source": src, **({"tools": tools, "steps": ["24", "72"]} if tools else {})}
+        s = Sample(Task("general", "p", answer, meta), 0, [])
         s.text, s.response_ids = text, tok.encode(text).ids
         return s
 
-    call = ("<tool_call>calculator<arg_key>expression</arg_key><arg_value>48 / 2</arg_value></tool_call>"
-            "<|observation|>")
+    call = CALL.format("48 / 2")
     got = verified_accuracy([sample("arithmetic", " 1 9 0", " 1 9 0"), sample("arithmetic", " 1 9 0", " 1 8 0"),
                              sample("gsm8k", "72", "72"), sample("mbpp", "", "def f(): pass"),
-                             sample("tool", "24", call, [CALCULATOR]), sample("tool", "24", "It is 24.<|user|>", [CALCULATOR]),
-                             sample("tool", "24", call.replace("calculator", "search"), [CALCULATOR])], tok)
-    assert got == {"arithmetic": 0.5, "tool_call": pytest.approx(1 / 3)}
+                             sample("tool", "72", call, [CALCULATOR]), sample("tool", "72", "It is 72.<|user|>", [CALCULATOR]),
+                             sample("tool", "72", call.replace("calculator", "search"), [CALCULATOR]),
+                             sample("tool", "72", CALL.format("48 / 3"), [CALCULATOR])], tok)
+    # the tool prompts' outcome: a call that computes a step of the solution (48 / 2 = 24 is one;
+    # a plain right answer, an undeclared tool and a call computing 16 are not)
+    assert got == {"arithmetic": 0.5, "tool_step": pytest.approx(1 / 4)}
+
+
+def test_tool_rule_pays_a_working_call_above_a_plain_reply_above_a_broken_call():
+    from domains.tools import CALCULATOR
+
+    tools = [CALCULATOR]
+    assert tool_rule(CALL.format("48 / 2"), tools) == 1.0
+    assert tool_rule("It is 24.<|endoftext|>", tools) == 0.5
+    assert tool_rule(CALL.format("48 / 2").replace("</arg_value>", ""), tools) == 0.0      # malformed markup
+    assert tool_rule(CALL.format("48 / 2").replace("calculator", "calc"), tools) == 0.0    # undeclared tool
+    assert tool_rule(CALL.format("48 / 2").replace(">expression<", ">expr<"), tools) == 0.0  # the tool refuses it
+    assert tool_rule(CALL.format("48 / (2 - 2)"), tools) == 0.0                           # division by zero
+    assert tool_rule(CALL.format("48 / 2"), None) is None
+    r = rule_reward(CALL.format("48 / 2"), tools)
+    assert r["tool"] == 1.0 and r["rule"] == pytest.approx((r["format"] + r["language"] + 1.0) / 3)
+    assert "tool" not in rule_reward("It is 24.<|endoftext|>", None)
+
+
+def test_judge_view_writes_calls_out_for_the_grm():
+    from domains.tools import CALCULATOR
+
+    assert judge_view("Let me compute." + CALL.format("48 / 2"), [CALCULATOR]) == \
+        'Let me compute.\n[tool call] calculator({"expression": "48 / 2"})'
+    assert judge_view(CALL.format("48 / 2").replace("calculator", "calc"), [CALCULATOR]) == "[malformed tool call]"
+    assert judge_view("It is 24.<|endoftext|>", [CALCULATOR]) == "It is 24."
+
+
+def test_judges_see_the_declared_tools_and_the_raw_call(inputs):
+    from data_processing.tokenizer import load_tokenizer
+    from domains.tools import CALCULATOR
+    from rl.rollout import prompt_ids
+
+    tok = load_tokenizer(inputs["tokenize"])
+    task = Task("general", "What is 48 / 2?", "24", {"tools": [CALCULATOR]})
+    seen = []
+
+    class RecordingORM:
+        def score_ids(self, ids):
+            seen.extend(ids)
+            return torch.zeros(len(ids))
+
+    orm_judge(RecordingORM(), tok, 4096)([(task, CALL.format("48 / 2"))])
+    ids, start = seen[0]
+    # the ORM reads what the policy saw (its prompt, tools declared) and the call's own tokens
+    assert ids[:start] == prompt_ids(tok, task, [CALCULATOR])
+    assert ids[start:] == tok.encode(CALL.format("48 / 2"), add_special_tokens=False).ids
+    assert tok.token_to_id("<tool_call>") in ids[start:]
+
+    class RecordingEngine:
+        def complete(self, prefixes, params, gen):
+            seen.append(tok.decode(prefixes[0], skip_special_tokens=True))
+            return [(tok.encode(" 7").ids,)] * len(prefixes)
+
+    assert grm_judge(RecordingEngine(), tok)([(task, CALL.format("48 / 2"))]) == [0.7]
+    assert "Tools offered: calculator(expression)" in seen[-1]
+    assert '[tool call] calculator({"expression": "48 / 2"})' in seen[-1]
+
+
+def test_reply_ids_is_the_conversation_the_template_encodes(inputs):
+    from data_processing.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(inputs["tokenize"])
+    user = Message("user", "1 + 2 =", thinking=False)
+    whole = encode(tok, [user, Message("assistant", " 3")], thinking_mode="turn").ids
+    ids, start = reply_ids(tok, "1 + 2 =", plain(" 3"), max_len=512)
+    assert ids == whole and tok.decode(ids[start:], skip_special_tokens=True) == " 3"
+    cut, cut_start = reply_ids(tok, "1 + 2 =", plain(" 3"), max_len=5)
+    assert cut == whole[-5:] and cut[cut_start:] == whole[start:]
+
+
+def test_tool_pairs_prefer_the_solutions_call(tmp_path):
+    from domains.tools import CALCULATOR
+
+    lines = [{"question": f"Q{i}: Tom has {i + 3} bags of 4 apples. How many?",
+              "answer": f"He has {i + 3}*4=<<{i + 3}*4={(i + 3) * 4}>>{(i + 3) * 4} apples.\n#### {(i + 3) * 4}"}
+             for i in range(12)]
+    lines.insert(3, {"question": "No calls.", "answer": "Just 5.\n#### 5"})
+    path = tmp_path / "g.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    pairs = tool_pairs(str(path), 0, 9, seed=0)
+    assert len(pairs) == 9 and {p.kind for p in pairs} == {"tool/plain_wrong", "tool/malformed", "tool/wrong_step"}
+    assert pairs == tool_pairs(str(path), 0, 9, seed=0)
+    steps = {p.prompt: [t.meta["steps"] for t in tool_tasks(str(path), 0) if t.prompt == p.prompt][0] for p in pairs}
+    for p in pairs:
+        assert p.tools == (CALCULATOR,) and calls_step(p.chosen, [CALCULATOR], steps[p.prompt])
+        assert not calls_step(p.rejected, [CALCULATOR], steps[p.prompt]), p
+        assert tool_rule(p.rejected, [CALCULATOR]) == {"tool/plain_wrong": 0.5, "tool/malformed": 0.0,
+                                                      "tool/wrong_step": 1.0}[p.kind]
+
+
+def test_hybrid_rewards_give_the_judges_the_raw_reply(inputs):
+    from data_processing.tokenizer import load_tokenizer
+    from domains.tools import CALCULATOR
+
+    tok = load_tokenizer(inputs["tokenize"])
+    s = Sample(Task("general", "What is 48 / 2?", "24", {"tools": [CALCULATOR], "source": "tool", "steps": ["24"]}), 0, [])
+    s.response_ids = tok.encode(CALL.format("48 / 2")).ids
+    s.text = tok.decode(s.response_ids, skip_special_tokens=True)
+    got = []
+    judges = {"orm": JudgeService("orm", lambda items: got.extend(r for _, r in items) or [0.5] * len(items), 5.0)}
+    hybrid_rewards([s], tok, judges, _cfg(weights={"rule": 1.0, "orm": 1.0}))
+    assert "<tool_call>" in got[0] and s.rewards["tool"] == 1.0
 
 
 def _fake_judges():
