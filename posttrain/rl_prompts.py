@@ -19,6 +19,7 @@ pool.json (per domain: prompts, mean pass rate, the pass-rate histogram).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from pathlib import Path
@@ -131,15 +132,36 @@ def in_chunks(tasks: list[Task], chunk: int, workdir: Workdir, lines: Path, desc
     return [json.loads(x) for x in lines.read_text(encoding="utf-8").splitlines() if x.strip()]
 
 
-def policy_engine(cfg: RLPromptsConfig, inputs: dict[str, Path], parent: str, workdir: Workdir):
-    """(tokenizer, `parent`'s model, its rollout engine (a context manager: enter it), sampling parameters)."""
-    tokenizer = load_tokenizer(inputs["tokenize"])
-    model = trainer.load_policy(inputs[parent], parent, tokenizer, workdir.seed, cfg.threads)
-    stop_ids = [tokenizer.token_to_id(t) for t in STOP_TOKENS]
-    pad_id = tokenizer.token_to_id("<|pad|>")
-    engine = open_engine(cfg.rollout, model, tokenizer, stop_ids, pad_id, workdir.checkpoint / "engine",
-                         batch_size=cfg.rollout_batch)
-    return tokenizer, model, engine, SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
+class PolicySampler:
+    """`parent`'s model on its rollout engine, with a reward worker beside it, all started on first
+    use (`open()`, from a chunk that needs sampling): a stage resumed after its last chunk, or whose
+    chunks are all done, loads no model and starts no server or worker. A context manager: leaving
+    it closes whatever was started."""
+
+    def __init__(self, cfg: RLPromptsConfig, inputs: dict[str, Path], parent: str, workdir: Workdir):
+        self.cfg, self.inputs, self.parent, self.workdir = cfg, inputs, parent, workdir
+        self.tokenizer = load_tokenizer(inputs["tokenize"])
+        self.sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
+        self._stack = contextlib.ExitStack()
+        self._opened: tuple[Any, RewardWorker] | None = None
+
+    def open(self) -> tuple[Any, RewardWorker]:
+        """(the rollout engine holding the parent's weights, the reward worker)."""
+        if self._opened is None:
+            cfg, tok = self.cfg, self.tokenizer
+            model = trainer.load_policy(self.inputs[self.parent], self.parent, tok, self.workdir.seed, cfg.threads)
+            engine = self._stack.enter_context(open_engine(
+                cfg.rollout, model, tok, [tok.token_to_id(t) for t in STOP_TOKENS], tok.token_to_id("<|pad|>"),
+                self.workdir.checkpoint / "engine", batch_size=cfg.rollout_batch))
+            engine.sync(model, 0)
+            self._opened = engine, self._stack.enter_context(RewardWorker())
+        return self._opened
+
+    def __enter__(self) -> "PolicySampler":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
 
 
 def run(cfg: RLPromptsConfig, inputs: dict[str, Path], workdir: Workdir) -> dict[str, Any]:
@@ -147,14 +169,14 @@ def run(cfg: RLPromptsConfig, inputs: dict[str, Path], workdir: Workdir) -> dict
         require_isolation(cfg.sandbox_allow_weak_isolation, "rl_prompts.sandbox_allow_weak_isolation")
     seed = workdir.seed
     tasks = candidates(cfg, seed)
-    tokenizer, model, opened, sampling = policy_engine(cfg, inputs, "sft", workdir)
     workdir.checkpoint.mkdir(parents=True, exist_ok=True)
-    with opened as engine, RewardWorker() as worker:
-        engine.sync(model, 0)
+    with PolicySampler(cfg, inputs, "sft", workdir) as sampler:
 
         def rows_of(chunk: list[Task], c: int) -> list[dict[str, Any]]:
+            engine, worker = sampler.open()
             gen = torch.Generator().manual_seed(seed * 1_000_003 + c)
-            return measure(engine, worker, tokenizer, chunk, cfg.samples, sampling, gen, cfg.reward_timeout_s)
+            return measure(engine, worker, sampler.tokenizer, chunk, cfg.samples, sampler.sampling, gen,
+                           cfg.reward_timeout_s)
 
         rows = in_chunks(tasks, cfg.chunk, workdir, workdir.checkpoint / POOL, "rl-prompts: measured", rows_of)
     workdir.out.mkdir(parents=True, exist_ok=True)

@@ -33,9 +33,8 @@ import torch
 from pydantic import Field
 
 from domains.task import Task
-from posttrain.rl_prompts import RLPromptsConfig, candidates, in_chunks, policy_engine, sample_and_score
+from posttrain.rl_prompts import PolicySampler, RLPromptsConfig, candidates, in_chunks, sample_and_score
 from posttrain.sft_data import DISTILLED, DISTILLED_META
-from rl.rewards import RewardWorker
 from rl.sample import Status
 from rl.sandbox import require_isolation
 from runtime.stage import Workdir
@@ -71,14 +70,13 @@ def run(cfg: SelfDistillConfig, inputs: dict[str, Path], workdir: Workdir) -> di
         require_isolation(cfg.sandbox_allow_weak_isolation, "self_distill.sandbox_allow_weak_isolation")
     seed = workdir.seed
     tasks = candidates(cfg, seed)
-    tokenizer, model, opened, sampling = policy_engine(cfg, inputs, TEACHER, workdir)
     workdir.checkpoint.mkdir(parents=True, exist_ok=True)
-    with opened as engine, RewardWorker() as worker:
-        engine.sync(model, 0)
+    with PolicySampler(cfg, inputs, TEACHER, workdir) as sampler:
 
         def rows_of(chunk: list[Task], c: int) -> list[dict[str, Any]]:
+            engine, worker = sampler.open()
             gen = torch.Generator().manual_seed(seed * 1_000_003 + 7_919 + c)
-            groups = sample_and_score(engine, worker, tokenizer, chunk, cfg.samples, sampling, gen,
+            groups = sample_and_score(engine, worker, sampler.tokenizer, chunk, cfg.samples, sampler.sampling, gen,
                                       cfg.reward_timeout_s)
             return [{"domain": t.domain, "prompt": t.prompt, "pass_rate": sum(s.reward >= 1.0 for s in g) / len(g),
                      "kept": kept(g, cfg.cap_per_prompt)} for t, g in zip(chunk, groups)]

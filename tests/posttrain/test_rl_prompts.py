@@ -71,6 +71,20 @@ def test_killed_stage_resumes_to_the_uninterrupted_pool(inputs, tmp_path):  # no
     assert sum(clean["domains"]["arithmetic"]["histogram"].values()) == 12
 
 
+def test_a_stage_killed_after_its_last_chunk_publishes_without_loading_the_model(inputs, tmp_path, monkeypatch):  # noqa: F811
+    from posttrain import rl_prompts
+
+    with pytest.raises(Killed):            # every chunk measured, killed before publishing
+        run(_pool_cfg(), inputs, Workdir.at(tmp_path / "killed", seed=1, progress=kill_at(12)))
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded (and its engine started) with nothing left to sample")
+
+    monkeypatch.setattr(rl_prompts.trainer, "load_policy", no_model)
+    again = run(_pool_cfg(), inputs, Workdir.at(tmp_path / "killed", seed=1))
+    assert again["prompts"] == 12
+
+
 def _rows(rates: list[float]) -> list[dict]:
     return [{"domain": "arithmetic", "prompt": f"p{i}", "answer": "1", "meta": {"a": i}, "pass_rate": p}
             for i, p in enumerate(rates)]
