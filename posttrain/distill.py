@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from chat.template import STOP_TOKENS
 from data_processing.tokenizer import load_tokenizer
@@ -48,13 +48,14 @@ from model.model import GLMModel
 from quant.qat import QATConfig, prepare_qat, ptq_int4, remove_qat, save_int4
 from rl import gates, trainer
 from rl.algorithms import PolicyLossName
-from rl.gates import EVALS, GateConfig
-from rl.ranks import SINGLE, ParallelConfig, Ranks, check_placement
-from rl.rollout import RolloutConfig, RolloutEngine, SamplingParams, open_engine, prompt_ids
+from rl.gates import EVALS
+from rl.ranks import SINGLE, Ranks, check_placement
+from rl.rollout import RolloutEngine, SamplingParams, open_engine, prompt_ids
 from rl.sample import Sample, Status
 from rl.served import ServedEngine, ServerPoolConfig, group_seeds, named_pool
-from rl.trainer import GateCheck, OptimConfig
+from rl.trainer import GateCheck
 from rl.update import UpdateParams, collate, mismatch_trend, response_logprobs, update
+from rl.stage_config import RLStageConfig
 from training import checkpoint, metrics
 
 log = logging.getLogger("glmforge")
@@ -64,28 +65,15 @@ DOMAIN_EVALS = {"sft": ("gsm8k_acc", "heldout_ppl"), "rl-reasoning": ("arithmeti
                 "rl-agentic": ("tool_call_validity", "arithmetic_acc")}
 
 
-class DistillConfig(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
+class DistillConfig(RLStageConfig):
     steps: int = Field(100, ge=1, description="distillation steps (rollouts, teacher scoring, update)")
     teachers: tuple[str, ...] = Field(TEACHERS, description="teacher stages (their domains' prompts)")
     prompts_per_teacher: int = Field(32, ge=1, description="prompts per teacher per step (group size 1)")
-    optim: OptimConfig = Field(OptimConfig(), description="the trainer's AdamW and gradient clip")
     policy_loss: PolicyLossName = Field("opd", description="policy loss by name (rl.algorithms.POLICY_LOSSES); "
                                         "opd reads the teachers' log-probs as per-token advantages")
-    eps_low: float = Field(0.2, ge=0, lt=1, description="PPO clip below 1")
-    eps_high: float = Field(0.28, ge=0, description="PPO clip above 1 (clip-higher)")
-    icepop_beta: Optional[float] = Field(2.0, gt=1, description="IcePop band [1/beta, beta]; null: off")
     adv_clip: Optional[float] = Field(5.0, gt=0, description="clip |A_t| (nats); null: no clip")
     minibatches: int = Field(1, ge=1, description="optimizer steps per rollout batch (per epoch)")
-    temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts")
-    top_p: float = Field(1.0, gt=0, le=1, description=(
-        "nucleus sampling: tokens from the smallest set whose probability reaches top_p (1: off)"))
     max_new_tokens: int = Field(256, ge=1, description="tokens a student's response may have at most")
-    rollout_int4: Optional[QATConfig] = Field(None, description=(
-        "rollouts from a fake-INT4 copy of the weights (the QAT kinds); null: full precision"))
-    rollout_batch: int = Field(256, ge=1, description="sequences per generate() call")
-    rollout: RolloutConfig = Field(RolloutConfig(), description="the engine rollouts come from: native or vLLM")
     teacher_servers: ServerPoolConfig = Field(ServerPoolConfig(replicas=1), description=(
         "with rollout.backend=served: the server pool each teacher is served from (one pool per teacher, "
         "loaded from its artifact); the trainer's ranks then hold no teacher"))
@@ -96,12 +84,6 @@ class DistillConfig(BaseModel):
     qat: QATConfig = Field(QATConfig(), description=(
         "the INT4 settings of training and export: the module kinds quantized and the group size of their scales"))
     export_hf: bool = Field(True, description="export/full + export/int4 (HF layout) besides int4/")
-    gates: GateConfig = Field(GateConfig(), description=(
-        "the evaluation gates: evals before and after, and the regression each may show (rl.gates)"))
-    checkpoint_every: int = Field(20, ge=1, description="steps between checkpoints (and one at the end)")
-    keep_last: int = Field(2, ge=1, description="complete checkpoints kept")
-    parallel: ParallelConfig = Field(ParallelConfig(), description="the trainer's ranks (rl.ranks); one: in the "
-                                     "stage's process")
 
     @model_validator(mode="after")
     def _placement(self) -> "DistillConfig":

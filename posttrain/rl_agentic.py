@@ -51,21 +51,20 @@ from data_processing.tokenizer import load_tokenizer
 from domains.task import Task
 from runtime.stage import OPERATIONAL, Workdir
 from model.model import GLMModel
-from quant.qat import QATConfig
 from rl import gates, reward_audit, trainer, weight_sync
 from rl.agent import context_for, prompt_tools, run_group
 from rl.algorithms import AdvantageName, PolicyLossName
 from rl.envs import ENVIRONMENTS, make_env, tasks_for
-from rl.gates import GateConfig
 from rl.orchestrator import WorkerPool
 from rl.ranks import SINGLE, ParallelConfig, Ranks, check_placement, is_engine
 from rl.rollout import RolloutConfig, RolloutEngine, SamplingParams, open_engine
 from rl.sample import Sample
 from rl.sandbox import require_isolation
 from rl.staleness import admit, filter_groups
-from rl.trainer import GateCheck, OptimConfig
+from rl.trainer import GateCheck
 from rl.update import UpdateParams, assign_advantages, mismatch_trend, update
 from rl.wire import sample_from_dict, sample_to_dict
+from rl.stage_config import RLStageConfig
 from training import checkpoint, metrics
 
 log = logging.getLogger("glmforge")
@@ -81,9 +80,7 @@ class AgentContextConfig(BaseModel):
     max_tokens: Optional[int] = Field(None, ge=64, description="history reset above this many tokens")
 
 
-class RLAgenticConfig(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
+class RLAgenticConfig(RLStageConfig):
     steps: int = Field(100, ge=1, description="optimizer steps")
     prompts_per_step: int = Field(16, ge=1, description="groups per optimizer step (B = this x group_size)")
     group_size: int = Field(8, ge=2, description="episodes per task (a GRPO group)")
@@ -99,16 +96,7 @@ class RLAgenticConfig(BaseModel):
     advantage: AdvantageName = Field("grpo", description="advantage estimator by name (rl.algorithms.ADVANTAGES)")
     policy_loss: PolicyLossName = Field("double_sided_is", description="policy loss by name (rl.algorithms."
                                         "POLICY_LOSSES); GLM-5's agentic RL: double_sided_is")
-    eps_low: float = Field(0.2, ge=0, lt=1, description="PPO clip below 1")
-    eps_high: float = Field(0.28, ge=0, description="PPO clip above 1 (clip-higher)")
-    icepop_beta: Optional[float] = Field(2.0, gt=1, description="IcePop band, for policy_loss icepop")
-    optim: OptimConfig = Field(OptimConfig(), description="the trainer's AdamW and gradient clip")
-    temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts")
-    top_p: float = Field(1.0, gt=0, le=1, description=(
-        "nucleus sampling: tokens from the smallest set whose probability reaches top_p (1: off)"))
     max_new_tokens: int = Field(256, ge=1, description="per assistant turn")
-    rollout_int4: Optional[QATConfig] = Field(None, description=(
-        "rollouts from a fake-INT4 copy of the weights (the QAT kinds); null: full precision"))
     rollout_batch: int = Field(64, ge=1, description="sequences per generate() call")
     rollout: RolloutConfig = Field(RolloutConfig(), description="the engine rollouts come from: native (each worker "
                                    "holds a copy) or vLLM (the stage's servers; workers send it their turns)")
@@ -124,9 +112,6 @@ class RLAgenticConfig(BaseModel):
     canary_alert: float = Field(0.0, ge=0, lt=1, description="share of canary episodes (swe's canary instances) "
                                 "passing their contradicting tests above which a step alerts (rl.reward_audit)")
     checkpoint_every: int = Field(10, ge=1, description="steps between checkpoints (and one at the end)")
-    keep_last: int = Field(2, ge=1, description="complete checkpoints kept")
-    gates: GateConfig = Field(GateConfig(), description=(
-        "the evaluation gates: evals before and after, and the regression each may show (rl.gates)"))
     threads: Optional[int] = Field(None, ge=1, description="torch threads of the trainer process (None: torch's "
                                    "default; tiny matrices on a shared CPU run fastest on 1)")
     parallel: ParallelConfig = Field(ParallelConfig(), description="the trainer's ranks (rl.ranks); one: in the "

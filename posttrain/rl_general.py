@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from chat.template import STOP_TOKENS, parse_assistant
 from data_processing.tokenizer import load_tokenizer
@@ -51,11 +51,8 @@ from domains.task import Task
 from domains.tools import CALCULATOR
 from runtime.stage import Workdir
 from model.hf import artifact_weights, load_state, state_config
-from quant.qat import QATConfig
 from rl import dynamic_sampling, gates, trainer
-from rl.algorithms import AdvantageName, PolicyLossName
-from rl.dynamic_sampling import DynamicSamplingConfig, OverlongConfig, apply_overlong, fill_batch
-from rl.gates import GateConfig
+from rl.dynamic_sampling import apply_overlong, fill_batch
 from rl.judges import (
     COMPONENTS,
     Judge,
@@ -68,24 +65,22 @@ from rl.judges import (
     rule_reward,
 )
 from rl.prompts import draw_tasks
-from rl.ranks import SINGLE, ParallelConfig, Ranks, check_placement
+from rl.ranks import SINGLE, Ranks, check_placement
 from rl.rewards import REWARDS
-from rl.rollout import RolloutConfig, RolloutEngine, SamplingParams, open_engine, prompt_ids
+from rl.rollout import RolloutEngine, SamplingParams, open_engine, prompt_ids
 from rl.sample import Sample, Status
 from rl.served import ServedEngine, ServerPoolConfig, group_seeds, named_pool
-from rl.trainer import GateCheck, OptimConfig
+from rl.trainer import GateCheck
 from rl.update import UpdateParams, assign_advantages, mismatch_trend, update
+from rl.stage_config import GroupRLConfig
 from training import checkpoint, metrics
 
 log = logging.getLogger("glmforge")
 SOURCES = ("gsm8k", "mbpp", "arithmetic", "tool")
 
 
-class RLGeneralConfig(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
+class RLGeneralConfig(GroupRLConfig):
     steps: int = Field(100, ge=1, description="rollout + update rounds")
-    prompts_per_step: int = Field(32, ge=1, description="prompts per rollout batch")
     group_size: int = Field(8, ge=2, description="samples per prompt")
     prompts: dict[str, float] = Field({"gsm8k": 1.0, "tool": 1.0, "mbpp": 1.0, "arithmetic": 1.0},
                                       description=f"prompt weights over {SOURCES}")
@@ -107,29 +102,6 @@ class RLGeneralConfig(BaseModel):
                              "the verdict's expectation over the first token's distribution (rl.judges.grm_judge)")
     grm_max_new_tokens: int = Field(4, ge=1, description="tokens of the GRM's verdict reply (grm_scoring parse)")
     grm_min_number_mass: float = Field(0.05, ge=0, le=1, description="expected: below this, no verdict")
-    optim: OptimConfig = Field(OptimConfig(), description="the trainer's AdamW and gradient clip")
-    eps_low: float = Field(0.2, ge=0, lt=1, description="PPO clip below 1")
-    eps_high: float = Field(0.28, ge=0, description="PPO clip above 1 (clip-higher)")
-    icepop_beta: Optional[float] = Field(2.0, gt=1, description="IcePop band [1/beta, beta]; null: off")
-    std_normalize: bool = Field(False, description="divide advantages by the group's std")
-    advantage: AdvantageName = Field("grpo", description="advantage estimator by name (rl.algorithms.ADVANTAGES)")
-    policy_loss: PolicyLossName = Field("icepop", description="policy loss by name (rl.algorithms.POLICY_LOSSES): "
-                                        "icepop, ppo, double_sided_is or a registered one")
-    minibatches: int = Field(2, ge=1, description="optimizer steps per rollout batch (per epoch)")
-    epochs: int = Field(1, ge=1, description=(
-        "passes over each rollout batch (each pass takes `minibatches` optimizer steps)"))
-    temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts")
-    top_p: float = Field(1.0, gt=0, le=1, description=(
-        "nucleus sampling: tokens from the smallest set whose probability reaches top_p (1: off)"))
-    max_new_tokens: int = Field(512, ge=1, description="tokens a rollout's response may have at most")
-    rollout_int4: Optional[QATConfig] = Field(None, description=(
-        "rollouts from a fake-INT4 copy of the weights (the QAT kinds); null: full precision"))
-    rollout_batch: int = Field(256, ge=1, description="sequences per generate() call")
-    dynamic_sampling: DynamicSamplingConfig = Field(DynamicSamplingConfig(), description=(
-        "replace zero-variance groups with fresh prompts' groups, within a bound per step (rl.dynamic_sampling)"))
-    overlong: OverlongConfig = Field(OverlongConfig(), description="what a response that hit max_new_tokens "
-                                     "trains as: keep, filter, penalty (rl.dynamic_sampling)")
-    rollout: RolloutConfig = Field(RolloutConfig(), description="the engine rollouts come from: native or vLLM")
     judge_servers: ServerPoolConfig = Field(ServerPoolConfig(replicas=1), description=(
         "with rollout.backend=served: the server pool each judge is served from (the GRM's weights, the "
         "ORM); the trainer's ranks then hold no judge"))
@@ -138,15 +110,6 @@ class RLGeneralConfig(BaseModel):
     gsm8k_skip: int = Field(200, ge=0, description="GSM8K train lines SFT holds out (not RL prompts)")
     mbpp_path: str = Field("{samples}/mbpp/mbpp.jsonl", description=(
         "MBPP problems of the mbpp prompts ({samples} expands)"))
-    gates: GateConfig = Field(GateConfig(), description=(
-        "the evaluation gates: evals before and after, and the regression each may show (rl.gates)"))
-    threads: Optional[int] = Field(None, ge=1, description="torch threads of the trainer process (None: torch's "
-                                   "default; tiny matrices on a shared CPU run fastest on 1)")
-    checkpoint_every: int = Field(20, ge=1, description="steps between checkpoints (and one at the end)")
-    keep_last: int = Field(2, ge=1, description="complete checkpoints kept")
-    parallel: ParallelConfig = Field(ParallelConfig(), description="the trainer's ranks (rl.ranks); one: in the "
-                                     "stage's process")
-    examples: int = Field(8, ge=0, description="rollouts of the last step written to samples.jsonl")
 
     @model_validator(mode="after")
     def _placement(self) -> "RLGeneralConfig":

@@ -32,10 +32,10 @@ import statistics
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import Field, StrictBool, field_validator, model_validator
 
 from chat.template import STOP_TOKENS
 from data_processing.tokenizer import load_tokenizer
@@ -43,64 +43,35 @@ from domains import arithmetic
 from domains.pools import DOMAINS, gsm8k_tasks, load_pools
 from domains.task import Task
 from runtime.stage import OPERATIONAL, Workdir
-from quant.qat import QATConfig
 from rl import gates, reward_audit, trainer
-from rl.algorithms import AdvantageName, PolicyLossName
 from rl import dynamic_sampling
-from rl.dynamic_sampling import DynamicSamplingConfig, OverlongConfig, apply_overlong, fill_batch
-from rl.gates import GateConfig
+from rl.dynamic_sampling import apply_overlong, fill_batch
 from rl.prompts import PromptPoolConfig, draw_tasks, group_size, pool_tasks, read_pool
-from rl.ranks import SINGLE, ParallelConfig, Ranks, check_placement
+from rl.ranks import SINGLE, Ranks, check_placement
 from rl.rewards import RewardWorker
 from rl.scoring import score
-from rl.rollout import RolloutConfig, RolloutEngine, SamplingParams, open_engine, prompt_ids
+from rl.rollout import RolloutEngine, SamplingParams, open_engine, prompt_ids
 from rl.sample import Sample, Status
 from rl.served import group_seeds
 from rl.sandbox import require_isolation
-from rl.trainer import GateCheck, OptimConfig
+from rl.trainer import GateCheck
 from rl.update import UpdateParams, assign_advantages, mismatch_trend, update
+from rl.stage_config import GroupRLConfig
 from training import metrics
 
 log = logging.getLogger("glmforge")
 
 
-class RLReasoningConfig(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
+class RLReasoningConfig(GroupRLConfig):
     steps: int = Field(200, ge=1, description="rollout + update rounds")
-    prompts_per_step: int = Field(32, ge=1, description="prompts per rollout batch (GLM-5: 32)")
     group_size: int = Field(32, ge=2, description="samples per prompt (GLM-5: 32)")
     domains: dict[str, float] = Field({"arithmetic": 1.0}, description=f"prompt weights over {DOMAINS}")
-    optim: OptimConfig = Field(OptimConfig(), description="the trainer's AdamW and gradient clip")
-    # the loss
-    eps_low: float = Field(0.2, ge=0, lt=1, description="PPO clip below 1")
-    eps_high: float = Field(0.28, ge=0, description="PPO clip above 1 (clip-higher)")
-    icepop_beta: Optional[float] = Field(2.0, gt=1, description="IcePop band [1/beta, beta]; null: off")
-    std_normalize: bool = Field(False, description="divide advantages by the group's std")
-    advantage: AdvantageName = Field("grpo", description="advantage estimator by name (rl.algorithms.ADVANTAGES)")
-    policy_loss: PolicyLossName = Field("icepop", description="policy loss by name (rl.algorithms.POLICY_LOSSES): "
-                                        "icepop, ppo, double_sided_is or a registered one")
-
-    minibatches: int = Field(2, ge=1, description="optimizer steps per rollout batch (per epoch)")
-    epochs: int = Field(1, ge=1, description=(
-        "passes over each rollout batch (each pass takes `minibatches` optimizer steps)"))
     # sampling
-    temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts")
-    top_p: float = Field(1.0, gt=0, le=1, description=(
-        "nucleus sampling: tokens from the smallest set whose probability reaches top_p (1: off)"))
-    max_new_tokens: int = Field(512, ge=1, description="tokens a rollout's response may have at most")
-    rollout_int4: Optional[QATConfig] = Field(None, description="rollouts from a fake-INT4 copy of the weights")
     routing_replay: bool = Field(False, description="rollouts record each token's experts and the trainer's "
                                  "forward passes use them (R3): log-probs of the experts that produced the tokens")
-    rollout_batch: int = Field(256, ge=1, description="sequences per generate() call")
     prompt_pool: PromptPoolConfig = Field(PromptPoolConfig(), description=(
         "draw from rl-prompts' pool measured on the SFT model: filtered by pass rate, weighted by difficulty, hard "
         "prompts sampled more (rl.prompts)"))
-    dynamic_sampling: DynamicSamplingConfig = Field(DynamicSamplingConfig(), description=(
-        "replace zero-variance groups with fresh prompts' groups, within a bound per step (rl.dynamic_sampling)"))
-    overlong: OverlongConfig = Field(OverlongConfig(), description="what a response that hit max_new_tokens "
-                                     "trains as: keep, filter, penalty (rl.dynamic_sampling)")
-    rollout: RolloutConfig = Field(RolloutConfig(), description="the engine rollouts come from: native or vLLM")
     # rewards
     reward_timeout_s: float = Field(10.0, gt=0, description=(
         "seconds one sample's reward may take; past it the sample scores 0 (reason timeout)"))
@@ -124,15 +95,6 @@ class RLReasoningConfig(BaseModel):
         "GSM8K test questions scored before and after ({samples} expands)"))
     gsm8k_test: int = Field(16, ge=0, description="GSM8K test questions scored before and after (greedy)")
     gsm8k_max_new_tokens: int = Field(256, ge=1, description="generation budget per GSM8K test answer")
-    checkpoint_every: int = Field(20, ge=1, description="steps between checkpoints (and one at the end)")
-    keep_last: int = Field(2, ge=1, description="complete checkpoints kept")
-    examples: int = Field(8, ge=0, description="rollouts of the last step written to samples.jsonl")
-    gates: GateConfig = Field(GateConfig(), description=(
-        "the evaluation gates: evals before and after, and the regression each may show (rl.gates)"))
-    threads: Optional[int] = Field(None, ge=1, description="torch threads of the trainer process (None: torch's "
-                                   "default; tiny matrices on a shared CPU run fastest on 1)")
-    parallel: ParallelConfig = Field(ParallelConfig(), description="the trainer's ranks (rl.ranks); one: in the "
-                                     "stage's process")
 
     @field_validator("domains")
     @classmethod
