@@ -76,7 +76,8 @@ effects: setup
 	$(VENV)/bin/glmforge effects
 
 effects-sweep: setup
-	$(VENV)/bin/glmforge sweep --preset small --seeds 0,1,2
+	$(VENV)/bin/glmforge sweep --preset small --seeds 0,1,2 --out docs/results/sweeps
+	$(PY) -m glmforge.effects_tables README.md docs/results/effects.md
 
 # two pytest-xdist workers: the end-to-end tests spend much of their time waiting on servers and
 # processes they started; a module, and the tests on the session's tiny run, stay on one worker

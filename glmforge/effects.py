@@ -230,8 +230,25 @@ def held_in(s: dict[str, Any]) -> Optional[str]:
     return f"{s['passed']}/{s['measured']}" if s.get("measured") else None
 
 
+def every_run(sp: dict[str, dict[str, Any]]) -> tuple[list[str], list[str]]:
+    """Of a `spread`'s effects that some run measured: (held on every run, did not), by name.
+    An effect held on every run only when every run measured it and passed."""
+    runs = max((len(s.get("values") or {}) for s in sp.values()), default=0)
+    measured = [n for n, s in sp.items() if s.get("measured")]
+    held = [n for n in measured if sp[n]["passed"] == sp[n]["measured"] == runs]
+    return held, [n for n in measured if n not in held]
+
+
+def summary_line(sp: dict[str, dict[str, Any]]) -> str:
+    """"Held in every run: k of n effects measured (not: ...)" of a `spread`."""
+    held, not_held = every_run(sp)
+    tail = f" (not: {', '.join(not_held)})" if not_held else ""
+    return f"Held in every run: {len(held)} of {len(held) + len(not_held)} effects measured{tail}."
+
+
 def markdown(runs: dict[str, dict[str, dict[str, Any]]]) -> str:
-    """The sweep table: one row per effect, a column per run, then mean ± std and the verdicts."""
+    """The sweep table: one row per effect, a column per run, then mean ± std and the verdicts,
+    and the summary line under it."""
     labels = list(runs)
     sp = spread(runs)
     head = ["effect", "stage", "target", *labels, "mean ± std", "held in"]
@@ -242,4 +259,4 @@ def markdown(runs: dict[str, dict[str, dict[str, Any]]]) -> str:
                  for k in labels]
         lines.append("| " + " | ".join([e.name, e.stage, e.target.replace("|", "/"), *cells,
                                          mean_std(s) or "—", held_in(s) or "—"]) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n\n" + summary_line(sp) + "\n"

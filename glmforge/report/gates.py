@@ -107,4 +107,4 @@ def sweep_table(sw: dict) -> str:
     until = f" through {sw['until']}" if sw.get("until") else ""
     return (f"<h3>Seed sweep{esc(until)}: seeds {esc(', '.join(seeds))}</h3>"
             + table(["effect", *[f"seed {k}" for k in seeds], "mean ± std", "held in"], rows)
-            + note(f"Wall time per seed: {walls}."))
+            + note(f"{effects.summary_line(sw['spread'])} Wall time per seed: {walls}."))
