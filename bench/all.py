@@ -45,14 +45,16 @@ RESULTS = BENCH / "RESULTS.md"
 
 
 def last_json(out: str):
-    """The last JSON document in the output: a line starting with { or [ through the end."""
+    """The last JSON document in the output: a line starting with { or [, alone (log lines may
+    follow it: a Prefect server stopping) or through the end (an indented document)."""
     lines = out.rstrip().splitlines()
     for i in range(len(lines) - 1, -1, -1):
         if lines[i][:1] in "{[":
-            try:
-                return json.loads("\n".join(lines[i:]))
-            except ValueError:
-                continue
+            for text in (lines[i], "\n".join(lines[i:])):
+                try:
+                    return json.loads(text)
+                except ValueError:
+                    continue
     raise ValueError("no JSON document in the output")
 
 
