@@ -173,3 +173,41 @@ def test_an_agents_next_turn_feeds_only_what_is_new_and_samples_the_same():
     second = [len(p) + len(t) + len(r) for p, (t, *_), r in zip(first, plain[0], replies)]
     assert [w for w in fed_plain if w > 1] == [14, max(second)]
     assert [w for w in fed_cached if w > 1] == [14, 8]
+
+
+def test_a_turn_whose_context_was_rewritten_is_prefilled_whole_and_samples_the_same():
+    """Context management (keep-recent-k) forks a trajectory: the next turn's context drops
+    tokens the previous call held, so no remembered row is a prefix of it. The turn cache must
+    then feed the whole rewritten context, and sample what an engine without the cache does; a
+    row whose history was kept still continues its cache."""
+    from rl.rollout import RolloutEngine, SamplingParams
+
+    model = _model(window=6)
+    g = torch.Generator().manual_seed(9)
+    first = [torch.randint(6, 97, (n,), generator=g).tolist() for n in (12, 10)]
+    params = SamplingParams(1.0, 1.0, 6)
+    runs = []
+    for skip in (True, False):
+        engine = RolloutEngine(model, None, [5], PAD, batch_size=8)
+        if skip:
+            engine.turns.longest = lambda p: (0, None)
+        fed: list[int] = []
+        real = engine.model.forward
+
+        def counting(ids, *a, **k):
+            fed.append(ids.shape[1])
+            return real(ids, *a, **k)
+
+        engine.model.forward = counting
+        one = engine.complete(first, params, torch.Generator().manual_seed(1))
+        # row 0 keeps its whole history; row 1's context is rewritten: its first 4 tokens dropped
+        nxt = [first[0] + one[0][0] + [41, 42], first[1][4:] + one[1][0] + [51, 52]]
+        two = engine.complete(nxt, params, torch.Generator().manual_seed(2))
+        runs.append((one, two, fed))
+    (p1, p2, fed_plain), (c1, c2, fed_cached) = runs
+    for a, b in zip(p1 + p2, c1 + c2):
+        assert a[0] == b[0] and a[2] == b[2]
+        assert a[1] == pytest.approx(b[1], abs=1e-4)
+    rewritten = len(first[1]) - 4 + len(p1[1][0]) + 2
+    assert [w for w in fed_cached if w > 1][-1] == rewritten       # the rewritten row, fed whole
+    assert [w for w in fed_plain if w > 1][-1] == max(rewritten, len(first[0]) + len(p1[0][0]) + 2)
