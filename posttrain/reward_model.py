@@ -34,8 +34,9 @@ A pair is held out when crc32(prompt) % 100 < heldout_percent: the held-out pair
 headline number, also read by rl-general. The construction is deterministic given the seed.
 
 Artifact: backbone.safetensors (model.hf.save_state), head.safetensors (the scalar head and the
-likelihood weights), orm.json (metrics, max_len, and the held-out scores' mean and std, which the
-judge standardises by), metrics.jsonl, loss.png. Checkpoints (training.checkpoint) hold model,
+likelihood weights), orm.json (metrics, max_len, and the held-out scores' mean and std, overall and
+per family of prompts (with tools declared or not: score_scales), which the judge standardises by),
+metrics.jsonl, loss.png. Checkpoints (training.checkpoint) hold model,
 heads, optimizer and step; each step's minibatch is a pure function of (seed, step), so resume is exact.
 """
 from __future__ import annotations
@@ -267,15 +268,27 @@ def pairwise_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> float:
 
 @torch.no_grad()
 def heldout_accuracy(rm: RewardModel, chosen: list[tuple[list[int], int]], rejected: list[tuple[list[int], int]],
-                     kinds: list[str], batch: int) -> dict[str, Any]:
+                     kinds: list[str], batch: int, with_tools: list[bool] | None = None) -> dict[str, Any]:
+    """Pairwise accuracy (all, per kind), the mean margin, and the scale of the scores: their mean
+    and std over the held-out replies of each family of prompts, those that declare tools and
+    those that do not (`scales`; the judge standardises each reply by its prompt's family: on the
+    tiny preset a malformed call scores so far below everything else that one scale for both
+    made the plain replies' differences 4x smaller)."""
     c, r = rm.score_ids(chosen, batch), rm.score_ids(rejected, batch)
     per_kind = {}
     for k in sorted(set(kinds)):
         sel = torch.tensor([x == k for x in kinds])
         per_kind[k] = pairwise_accuracy(c[sel], r[sel])
     both = torch.cat([c, r])
+    tools = torch.tensor(with_tools or [False] * len(kinds))
+    scales = {}
+    for family, sel in (("plain", ~tools), ("tools", tools)):
+        scores = torch.cat([c[sel], r[sel]])
+        if scores.numel() > 1:
+            scales[family] = {"mean": float(scores.mean()), "std": float(scores.std())}
     return {"accuracy": pairwise_accuracy(c, r), "per_kind": per_kind, "n": len(kinds),
-            "margin": float((c - r).mean()), "score_mean": float(both.mean()), "score_std": float(both.std())}
+            "margin": float((c - r).mean()), "score_mean": float(both.mean()), "score_std": float(both.std()),
+            "scales": scales}
 
 
 # ---------------------------------------------------------------- the stage
@@ -303,9 +316,10 @@ def train(cfg: RewardModelConfig, inputs: dict[str, Path], workdir: Workdir, ran
                             for p in ps]
     tr_c, tr_r = enc(train, "chosen"), enc(train, "rejected")
     he_c, he_r, kinds = enc(held, "chosen"), enc(held, "rejected"), [p.kind for p in held]
+    with_tools = [bool(p.tools) for p in held]
     root, log_path = workdir.checkpoint / trainer.CHECKPOINTS, workdir.checkpoint / "metrics.jsonl"
     fresh = checkpoint.select_resume(root) is None
-    before = heldout_accuracy(rm, he_c, he_r, kinds, cfg.eval_batch) if fresh and lead else {}   # the whole model
+    before = heldout_accuracy(rm, he_c, he_r, kinds, cfg.eval_batch, with_tools) if fresh and lead else {}  # whole model
     ranks = ranks.with_experts_sharded(rm, cfg.parallel.expert_parallel)
     policy = trainer.policy_for(rm, cfg.optim, None, ranks, cfg.parallel.zero_stage)
     opt = policy.optimizer
@@ -334,7 +348,7 @@ def train(cfg: RewardModelConfig, inputs: dict[str, Path], workdir: Workdir, ran
     rm = trainer.whole_model(rm, ranks, lambda: RewardModel(GLMModel(backbone.config), pad_id))   # a collective
     if not lead:
         return None
-    after = heldout_accuracy(rm, he_c, he_r, kinds, cfg.eval_batch)
+    after = heldout_accuracy(rm, he_c, he_r, kinds, cfg.eval_batch, with_tools)
     records = metrics.read(log_path)
     out = workdir.out
     kinds_count: dict[str, int] = {}
@@ -351,7 +365,8 @@ def train(cfg: RewardModelConfig, inputs: dict[str, Path], workdir: Workdir, ran
     }
     save_reward_model(rm, out, {"heldout_pairwise_accuracy": after["accuracy"], "per_kind": after["per_kind"],
                                 "n": after["n"], "max_len": cfg.max_len,
-                                "score_mean": after["score_mean"], "score_std": after["score_std"]})
+                                "score_mean": after["score_mean"], "score_std": after["score_std"],
+                                "score_scales": after["scales"]})
     trainer.publish("reward-model", out, records, plot=lambda rs, o: plot(rs, o / "loss.png", result))
     return result
 

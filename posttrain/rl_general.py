@@ -340,7 +340,8 @@ def make_judges(cfg: RLGeneralConfig, inputs: dict[str, Path], tokenizer, stop_i
     out: dict[str, Judge] = {}
     if cfg.weights.get("orm", 0) > 0:
         orm, info = load_reward_model(inputs["reward-model"], pad_id)
-        out["orm"] = orm_judge(orm, tokenizer, int(info["max_len"]), info["score_mean"], info["score_std"])
+        out["orm"] = orm_judge(orm, tokenizer, int(info["max_len"]), info["score_mean"], info["score_std"],
+                               info.get("score_scales"))
     if cfg.weights.get("grm", 0) > 0:
         sft = load_state(artifact_weights(inputs["sft"], "sft"))
         out["grm"] = grm_judge(RolloutEngine(sft, tokenizer, stop_ids, pad_id, batch_size=cfg.rollout_batch),
@@ -364,7 +365,8 @@ def serve_judges(cfg: RLGeneralConfig, inputs: dict[str, Path], tokenizer, stop_
         info = load_info(inputs["reward-model"])
         orm = pool("orm")
         orm.serve_orm(inputs["reward-model"])
-        out["orm"] = orm_judge(orm, tokenizer, int(info["max_len"]), info["score_mean"], info["score_std"])
+        out["orm"] = orm_judge(orm, tokenizer, int(info["max_len"]), info["score_mean"], info["score_std"],
+                               info.get("score_scales"))
     if cfg.weights.get("grm", 0) > 0:
         weights = artifact_weights(inputs["sft"], "sft")
         grm = pool("grm", state_config(weights))

@@ -193,20 +193,30 @@ def grm_judge(engine, tokenizer, scoring: str = "parse", max_new_tokens: int = 4
     return judge
 
 
-def orm_judge(orm, tokenizer, max_len: int, mean: float = 0.0, std: float = 1.0) -> Judge:
+def orm_judge(orm, tokenizer, max_len: int, mean: float = 0.0, std: float = 1.0,
+              scales: dict[str, dict[str, float]] | None = None) -> Judge:
     """The ORM (posttrain.reward_model.RewardModel) as a judge: sigmoid((score - mean) / std) per
-    item, mean and std those of the ORM's scores on its held-out replies. A Bradley-Terry head is
-    defined only up to a shift and a scale; unstandardised, its sigmoid sat at 0.50 +- 0.02 on the
-    tiny preset and drowned under the rule rewards' 0/1 steps."""
+    item, mean and std those of the ORM's scores on its held-out replies: of the item's family of
+    prompts when `scales` has it ("tools": the prompt declares tools, "plain": it does not), else
+    the overall ones. A Bradley-Terry head is defined only up to a shift and a scale; unstandardised,
+    its sigmoid sat at 0.50 +- 0.02 on the tiny preset and drowned under the rule rewards' 0/1
+    steps, and one scale for both families let the tool replies' wide spread flatten the plain ones."""
     from chat.template import reply_ids
 
-    if std <= 0:
-        raise ValueError(f"ORM judge: score std must be > 0, got {std}")
+    scale = {None: (mean, std)}
+    for family, s in (scales or {}).items():
+        scale[family] = (s["mean"], s["std"])
+    if any(sd <= 0 for _, sd in scale.values()):
+        raise ValueError(f"ORM judge: score std must be > 0, got {scale}")
 
     @torch.no_grad()
     def judge(items: list[tuple[Task, str]]) -> list[Optional[float]]:
         ids = [reply_ids(tokenizer, t.prompt, r, max_len, t.meta.get("tools")) for t, r in items]
-        return [1 / (1 + math.exp(-(s - mean) / std)) for s in orm.score_ids(ids).tolist()]
+        out = []
+        for (t, _), s in zip(items, orm.score_ids(ids).tolist()):
+            m, sd = scale.get("tools" if t.meta.get("tools") else "plain", scale[None])
+            out.append(1 / (1 + math.exp(-(s - m) / sd)))
+        return out
 
     return judge
 

@@ -100,6 +100,7 @@ def test_reward_model_stage_trains_and_reports_heldout_accuracy(inputs, tmp_path
     assert set(m["pairs"]["by_kind"]) >= {"gsm8k/wrong_number", "gsm8k/truncated", "mbpp/mutated", "arithmetic/digit"}
     info = json.loads((tmp_path / "out" / "orm.json").read_text())
     assert info["heldout_pairwise_accuracy"] == h["after"] and info["score_std"] > 0
+    assert set(info["score_scales"]) <= {"plain", "tools"} and info["score_scales"]["plain"]["std"] > 0
     rm, _ = load_reward_model(tmp_path / "out", inputs_pad(inputs))
     assert rm.likelihood.weight.abs().sum() > 0          # the likelihood weights were trained and saved
     for f in ("backbone.safetensors", "head.safetensors", "loss.png", "metrics.jsonl"):
@@ -143,6 +144,13 @@ def test_orm_judge_standardises_and_grm_reads_the_expected_verdict(inputs):
 
     j = orm_judge(FixedORM(), tok, 32, mean=1.0, std=2.0)
     assert j([(Task("g", "q", ""), "a"), (Task("g", "q", ""), "b")]) == pytest.approx([1 / (1 + 2.718281828 ** -1), 0.5])
+    # each family of prompts on its own scale: a prompt with tools by the tool replies' spread
+    from domains.tools import CALCULATOR
+
+    j = orm_judge(FixedORM(), tok, 32, mean=1.0, std=2.0, scales={"plain": {"mean": 1.0, "std": 1.0},
+                                                                 "tools": {"mean": 3.0, "std": 8.0}})
+    got = j([(Task("g", "q", ""), "a"), (Task("g", "q", "", {"tools": [CALCULATOR]}), "b")])
+    assert got == pytest.approx([1 / (1 + 2.718281828 ** -2), 1 / (1 + 2.718281828 ** 0.25)])
 
     numbers = score_token_ids(tok)
     seven, three = numbers[7][0], numbers[3][0]
