@@ -144,6 +144,19 @@ def _turns(engine, first: list[list[int]], replies: list[list[int]], gen_seed: i
     return one, engine.complete(nxt, params, torch.Generator().manual_seed(gen_seed + 1))
 
 
+def _count_widths(engine) -> list[int]:
+    """The width of every forward the engine's model runs from now on (a prefill is wider than 1)."""
+    fed: list[int] = []
+    real = engine.model.forward
+
+    def counting(ids, *a, **k):
+        fed.append(ids.shape[1])
+        return real(ids, *a, **k)
+
+    engine.model.forward = counting
+    return fed
+
+
 def test_an_agents_next_turn_feeds_only_what_is_new_and_samples_the_same():
     from rl.rollout import RolloutEngine
 
@@ -154,14 +167,7 @@ def test_an_agents_next_turn_feeds_only_what_is_new_and_samples_the_same():
     runs = []
     for skip in (True, False):
         engine = RolloutEngine(model, None, [5], PAD, batch_size=8)
-        fed: list[int] = []
-        real = engine.model.forward
-
-        def counting(ids, *a, **k):
-            fed.append(ids.shape[1])
-            return real(ids, *a, **k)
-
-        engine.model.forward = counting
+        fed = _count_widths(engine)
         runs.append((_turns(engine, first, replies, 3, skip), fed))
     (plain, fed_plain), (cached, fed_cached) = runs
     for a, b in zip(plain[0] + plain[1], cached[0] + cached[1]):
@@ -191,14 +197,7 @@ def test_a_turn_whose_context_was_rewritten_is_prefilled_whole_and_samples_the_s
         engine = RolloutEngine(model, None, [5], PAD, batch_size=8)
         if skip:
             engine.turns.longest = lambda p: (0, None)
-        fed: list[int] = []
-        real = engine.model.forward
-
-        def counting(ids, *a, **k):
-            fed.append(ids.shape[1])
-            return real(ids, *a, **k)
-
-        engine.model.forward = counting
+        fed = _count_widths(engine)
         one = engine.complete(first, params, torch.Generator().manual_seed(1))
         # row 0 keeps its whole history; row 1's context is rewritten: its first 4 tokens dropped
         nxt = [first[0] + one[0][0] + [41, 42], first[1][4:] + one[1][0] + [51, 52]]
