@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from data_processing.common import expand_path
-from domains.tools import format_number
+from domains.tools import calculator, format_number, same_number
 
 _ANNOT = re.compile(r"<<([^<>=]*)=([^<>]*)>>")
 
@@ -35,6 +35,27 @@ def read_gsm8k(path: str | Path) -> list[Problem]:
         out.append(Problem(rec["question"].strip(), _ANNOT.sub("", body).strip(), final.strip().replace(",", ""),
                            tuple(calls)))
     return out
+
+
+def calculator_results(p: Problem) -> list[str | None]:
+    """What the calculator computes for each of the problem's annotated calls (None: an
+    expression it cannot evaluate)."""
+    out: list[str | None] = []
+    for _, expr, _ in p.calls:
+        try:
+            out.append(calculator(expr))
+        except ValueError:
+            out.append(None)
+    return out
+
+
+def reproduced_steps(p: Problem) -> list[str] | None:
+    """The calculator's results for the problem's calls when it reproduces every one of GSM8K's
+    annotated results, else None."""
+    results = calculator_results(p)
+    if any(r is None or not same_number(r, note) for r, (_, _, note) in zip(results, p.calls)):
+        return None
+    return results  # type: ignore[return-value]
 
 
 def extract_answer(text: str) -> str | None:

@@ -57,6 +57,18 @@ def calculator(expression: str) -> str:
         return format_number(_eval(tree))
     except (SyntaxError, ZeroDivisionError, ValueError, OverflowError) as e:
         raise ValueError(f"calculator cannot evaluate {expression!r}: {e}") from None
+    except RecursionError:      # thousands of chained terms: the parser's or _eval's depth
+        raise ValueError(f"calculator cannot evaluate {expression[:40]!r}...: nested too deeply") from None
+
+
+def same_number(a: str, b: str) -> bool:
+    """Two numbers written as text (commas ignored) equal within a relative 1e-6; False when
+    either is not a number."""
+    try:
+        x, y = float(a.replace(",", "")), float(b.replace(",", ""))
+    except ValueError:
+        return False
+    return abs(x - y) <= 1e-6 * max(1.0, abs(x))
 
 
 @dataclass(frozen=True)

@@ -188,18 +188,14 @@ def arithmetic_pairs(n: int, seed: int) -> list[Pair]:
             for t in arithmetic.tasks(n, "train", seed)]
 
 
-def _same(a: str, b: str) -> bool:
-    return abs(float(a) - float(b)) <= 1e-6 * max(1.0, abs(float(a)))
-
-
 _BREAKS = (("</arg_value>", ""), ("calculator", "calc"), ("</tool_call>", ""), ("<arg_key>expression</arg_key>", ""))
 
 
 def tool_pairs(path: str, skip: int, n: int, seed: int) -> list[Pair]:
     """The `tool` pairs (module doc) from the problems after line `skip`, at most n: problems
     whose calculator steps the calculator reproduces (as SFT's tool_calc keeps them)."""
-    from domains.gsm8k import read_gsm8k
-    from domains.tools import CALCULATOR, calculator
+    from domains.gsm8k import read_gsm8k, reproduced_steps
+    from domains.tools import CALCULATOR, calculator, same_number
 
     rng = random.Random(seed + 3)
     tools = (CALCULATOR,)
@@ -207,11 +203,8 @@ def tool_pairs(path: str, skip: int, n: int, seed: int) -> list[Pair]:
     for p in read_gsm8k(path)[skip:]:
         if len(out) >= n:
             break
-        try:
-            steps = [calculator(expr) for _, expr, note in p.calls if _same(calculator(expr), note.replace(",", ""))]
-        except ValueError:
-            continue
-        if not p.calls or len(steps) != len(p.calls):
+        steps = reproduced_steps(p)
+        if not p.calls or steps is None:
             continue
         expr = p.calls[0][1]
         chosen = reply_text(Message("assistant", tool_calls=(ToolCall("calculator", {"expression": expr}),)))
@@ -230,7 +223,7 @@ def tool_pairs(path: str, skip: int, n: int, seed: int) -> list[Pair]:
             m = rng.choice(numbers)
             bad = expr[:m.start()] + str(int(float(m.group())) + rng.randint(1, 9)) + expr[m.end():]
             try:
-                if any(_same(calculator(bad), x) for x in steps):
+                if any(same_number(calculator(bad), x) for x in steps):
                     continue
             except ValueError:
                 continue

@@ -217,34 +217,28 @@ def verified(s: Sample, tokenizer) -> tuple[str, float] | None:
 def calls_step(raw: str, tools: list[dict], steps: list[str]) -> bool:
     """The reply's first tool call is well formed against `tools`, is the calculator, and its
     expression evaluates to one of `steps` (the reference solution's calculator results)."""
-    from domains.tools import calculator
+    from domains.tools import calculator, same_number
 
     parsed = parse_assistant(raw, tools=tools)
     if not parsed.ok or not parsed.message.tool_calls:
         return False
     call = parsed.message.tool_calls[0]
     try:
-        value = float(calculator(str(call.arguments.get("expression", ""))))
+        value = calculator(str(call.arguments.get("expression", "")))
     except ValueError:
         return False
-    return call.name == "calculator" and any(abs(value - float(x)) <= 1e-6 * max(1.0, abs(value)) for x in steps)
+    return call.name == "calculator" and any(same_number(value, x) for x in steps)
 
 
 def tool_tasks(path: str, skip: int) -> list[Task]:
     """GSM8K questions after `skip` lines with the calculator declared, each with the results of
     its reference solution's calculator steps (meta `steps`; questions whose annotations the
     calculator cannot reproduce have none and are left out)."""
-    from domains.gsm8k import read_gsm8k
-    from domains.tools import calculator
+    from domains.gsm8k import calculator_results, read_gsm8k
 
     out = []
     for i, p in enumerate(read_gsm8k(path)[skip:]):
-        steps = []
-        for _, expr, _ in p.calls:
-            try:
-                steps.append(calculator(expr))
-            except ValueError:
-                pass
+        steps = [r for r in calculator_results(p) if r is not None]
         if steps:
             out.append(Task("general", p.question, p.answer,
                             {"line": skip + i + 1, "tools": [CALCULATOR], "source": "tool", "steps": steps}))

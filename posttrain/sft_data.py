@@ -43,7 +43,7 @@ from chat.template import THINKING_MODES, Message, ToolCall, encode
 from data_processing.packing import pack_samples
 from data_processing.tokenizer import EOS, PAD
 from domains import arithmetic
-from domains.gsm8k import Problem, read_gsm8k
+from domains.gsm8k import Problem, read_gsm8k, reproduced_steps
 from domains.tools import (
     CALCULATOR,
     MAX_DOC_CHARS,
@@ -51,7 +51,6 @@ from domains.tools import (
     STDLIB,
     DocIndex,
     Function,
-    calculator,
     stdlib_functions,
 )
 
@@ -154,13 +153,10 @@ def calc_sample(i: int, p: Problem, max_calls: int) -> SFTExample | None:
         return None
     mode, thinking = _mode(i)
     msgs = [Message("user", p.question, thinking=thinking)]
-    for before, expr, annotated in p.calls:
-        try:
-            result = calculator(expr)
-            if abs(float(result) - float(annotated.replace(",", ""))) > 1e-6 * max(1.0, abs(float(result))):
-                return None       # GSM8K's annotation disagrees with the real result
-        except ValueError:
-            return None
+    results = reproduced_steps(p)
+    if results is None:           # a call the calculator cannot evaluate, or GSM8K's annotation disagrees
+        return None
+    for (before, expr, _), result in zip(p.calls, results):
         reasoning = (before or f"I need {expr}.") if thinking else ""
         msgs += [Message("assistant", reasoning=reasoning, tool_calls=(ToolCall("calculator", {"expression": expr}),)),
                  Message("tool", result)]

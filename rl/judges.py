@@ -63,12 +63,13 @@ def tool_rule(raw_text: str, tools: Sequence[dict] | None) -> float | None:
     refuses. None without tools. A plain answer is allowed, a working call pays more, a broken
     one less; whether the call computes the right thing is not the rule's to know (the verified
     outcome's, never rewarded)."""
-    if not tools:
-        return None
+    return _tool_score(parse_assistant(raw_text, tools=tools), raw_text) if tools else None
+
+
+def _tool_score(parsed, raw_text: str) -> float:
     from chat.template import TOOL_CALL
     from rl.rewards import run_tool
 
-    parsed = parse_assistant(raw_text, tools=tools)
     if not parsed.message.tool_calls:
         return 0.0 if TOOL_CALL in raw_text else 0.5
     if not parsed.ok:
@@ -83,9 +84,8 @@ def rule_reward(raw_text: str, tools: Sequence[dict] | None = None) -> dict[str,
     their mean."""
     parsed = parse_assistant(raw_text, tools=tools)
     out = {"format": float(parsed.ok), "language": language_score(parsed.message.content or "")}
-    tool = tool_rule(raw_text, tools)
-    if tool is not None:
-        out["tool"] = tool
+    if tools:
+        out["tool"] = _tool_score(parsed, raw_text)
     out["rule"] = sum(out.values()) / len(out)
     return out
 

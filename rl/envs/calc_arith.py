@@ -2,7 +2,7 @@
 
 The first user message is the plain arithmetic prompt (" 3 4 + 5 7 ="), so a model SFT-trained on
 the arithmetic domain (sampled accuracy ~0.3-0.6) already gets reward without the tool: GRPO has
-reward variance from the first step. The calculator (posttrain.sft_data.calculator, evaluated for
+reward variance from the first step. The calculator (domains.tools.calculator, evaluated for
 real) may be called any number of times; its result may be used or ignored. The reward reads only
 the final answer (the assistant message without tool calls): 1 iff its leading digits are the
 answer's digits (as rl.rewards' arithmetic reward), no bonus or penalty for tool use.

@@ -214,6 +214,31 @@ def test_tool_rule_pays_a_working_call_above_a_plain_reply_above_a_broken_call()
     assert "tool" not in rule_reward("It is 24.<|endoftext|>", None)
 
 
+def test_a_call_built_to_crash_the_judges_scores_zero():
+    """A policy's call whose expression nests past the parser's depth (thousands of chained terms)
+    is a call the tool refuses: 0 from the rule, no step, and no exception out of the judges."""
+    from domains.tools import CALCULATOR, calculator
+
+    deep = "+".join(["1"] * 5000)
+    with pytest.raises(ValueError, match="nested too deeply"):
+        calculator(deep)
+    assert tool_rule(CALL.format(deep), [CALCULATOR]) == 0.0
+    assert not calls_step(CALL.format(deep), [CALCULATOR], ["5000"])
+
+
+def test_reproduced_steps_keep_only_problems_whose_annotations_the_calculator_reproduces():
+    from domains.gsm8k import Problem, calculator_results, reproduced_steps
+    from domains.tools import same_number
+
+    ok = Problem("q", "r", "10", (("", "2*5", "10"), ("", "10/4", "2.5")))
+    assert reproduced_steps(ok) == ["10", "2.5"]
+    wrong = Problem("q", "r", "10", (("", "2*5", "11"),))
+    bad = Problem("q", "r", "10", (("", "2 apples", "2"), ("", "3+4", "7")))
+    assert reproduced_steps(wrong) is None and reproduced_steps(bad) is None
+    assert calculator_results(bad) == [None, "7"]
+    assert same_number("1,000", "1000.0000001") and not same_number("10", "11") and not same_number("x", "1")
+
+
 def test_judge_view_writes_calls_out_for_the_grm():
     from domains.tools import CALCULATOR
 
